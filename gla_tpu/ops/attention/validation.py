@@ -1,0 +1,77 @@
+"""Validation of flash_attention's arguments into a normalized problem."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from gla_tpu.ops.common import validation as v
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    """What every backend receives after validation (shapes in DESIGN.md's layout)."""
+
+    batch: int
+    q_len: int  # T
+    kv_len: int  # S
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    causal: bool
+    sm_scale: float
+    has_segments: bool
+    dtype: jnp.dtype
+
+
+def validate_attention(q, k, v_, *, causal, sm_scale, segment_ids):
+    """Returns (problem, q_segment_ids [B, T] int32 | None, kv_segment_ids [B, S] int32 | None)."""
+    for name, x in (("q", q), ("k", k), ("v", v_)):
+        v.check_array(name, x, rank=4, layout="[batch, time, heads, head_dim]")
+        v.check_floating(name, x)
+        v.check_nonempty(name, x)
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    v.check_shape("k", k, (b, s, hkv, d), "[B, S, Hkv, D] with q's B and D")
+    v.check_shape("v", v_, (b, s, hkv, d), "k's shape [B, S, Hkv, D]")
+    if h % hkv:
+        raise ValueError(
+            f"q's heads H={h} must be a multiple of k/v's heads Hkv={hkv} (GQA/MQA need H % Hkv == 0)."
+        )
+    if not (q.dtype == k.dtype == v_.dtype):
+        raise ValueError(
+            f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v_.dtype}."
+        )
+    v.check_bool("causal", causal)
+    scale = v.check_scale("sm_scale", sm_scale)
+    if scale is None:
+        scale = d**-0.5
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            if len(segment_ids) != 2:
+                raise ValueError(
+                    "segment_ids must be None, one [B, T] int array (when T == S) or a pair "
+                    f"(q_segment_ids [B, T], kv_segment_ids [B, S]); got a sequence of length {len(segment_ids)}."
+                )
+            q_seg, kv_seg = segment_ids
+        else:
+            if t != s:
+                raise ValueError(
+                    f"a single segment_ids array needs T == S; got T={t}, S={s}. Pass a pair "
+                    "(q_segment_ids [B, T], kv_segment_ids [B, S]) instead."
+                )
+            q_seg = kv_seg = segment_ids
+        for name, x, n in (("segment_ids (queries)", q_seg, t), ("segment_ids (keys)", kv_seg, s)):
+            v.check_array(name, x, rank=2, layout="[batch, time]")
+            v.check_integer(name, x)
+            v.check_shape(name, x, (b, n), "[B, T] for queries, [B, S] for keys")
+        q_seg = q_seg.astype(jnp.int32)
+        kv_seg = kv_seg.astype(jnp.int32)
+    problem = AttentionProblem(
+        batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=hkv, head_dim=d,
+        causal=bool(causal), sm_scale=scale, has_segments=q_seg is not None,
+        dtype=jnp.dtype(q.dtype),
+    )
+    return problem, q_seg, kv_seg

@@ -1,0 +1,68 @@
+"""Backend names and "auto" resolution.
+
+"auto" picks the Pallas kernel of the default device's platform and falls back to "xla" for a
+problem the kernel cannot take (its `check_supported` raised NotImplementedError), warning once per
+distinct reason. A backend named explicitly never falls back: its NotImplementedError propagates.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable
+
+import jax
+
+MOSAIC_TPU = "mosaic_tpu"
+PALLAS_GPU = "pallas_gpu"
+XLA = "xla"
+BACKENDS = ("auto", MOSAIC_TPU, PALLAS_GPU, XLA)
+
+_PLATFORM_KERNEL = {"tpu": MOSAIC_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU}
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+class BackendFallbackWarning(UserWarning):
+    """Emitted once per reason when backend="auto" falls back to "xla"."""
+
+
+def default_platform() -> str:
+    return jax.devices()[0].platform
+
+
+def kernel_backend_for_platform(platform: str) -> str:
+    """The Pallas backend "auto" tries first on `platform` ("xla" where there is none)."""
+    return _PLATFORM_KERNEL.get(platform, XLA)
+
+
+def warn_once(message: str) -> None:
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, BackendFallbackWarning, stacklevel=4)
+
+
+def resolve_backend(op_name: str, backend: str, check_supported: Callable[[str], None]) -> str:
+    """Returns the backend to run.
+
+    Args:
+      op_name: the public op's name, for messages.
+      backend: the user's `backend` argument (already validated against BACKENDS).
+      check_supported: called with a concrete backend name; raises NotImplementedError when that
+        backend cannot take the problem.
+    """
+    if backend != "auto":
+        check_supported(backend)
+        return backend
+    candidate = kernel_backend_for_platform(default_platform())
+    if candidate == XLA:
+        return XLA
+    try:
+        check_supported(candidate)
+    except NotImplementedError as e:
+        warn_once(f"{op_name}: backend='auto' falls back from {candidate!r} to 'xla': {e}")
+        return XLA
+    return candidate

@@ -1,0 +1,44 @@
+"""The one definition of which key a query may see, shared by references, XLA backends and kernels.
+
+Causal attention is bottom-right aligned: with T queries and S keys, query i sees key j iff
+j <= i + (S - T). Segment ids restrict a query to keys with an equal id.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def causal_offset(t: int, s: int) -> int:
+    """Shift of the bottom-right aligned causal diagonal: query i sees key j iff j <= i + offset."""
+    return s - t
+
+
+def attention_visibility(q_pos, k_pos, *, causal: bool, offset: int, q_seg=None, kv_seg=None):
+    """Boolean visibility, broadcast over the inputs' shapes.
+
+    All arguments must have one rank (the tests run with rank promotion disabled).
+
+    Args:
+      q_pos: query positions, e.g. [1, Tq, 1] int32.
+      k_pos: key positions, e.g. [1, 1, Tk] int32.
+      causal: bottom-right aligned causal masking.
+      offset: `causal_offset(T, S)`.
+      q_seg, kv_seg: segment ids broadcastable like q_pos / k_pos, or None.
+    Returns:
+      bool array, True where the query sees the key.
+    """
+    if causal:
+        visible = k_pos <= q_pos + offset
+    else:
+        visible = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), dtype=bool)
+    if q_seg is not None:
+        visible = jnp.logical_and(visible, q_seg == kv_seg)
+    return visible
+
+
+def lower_triangular(n: int, dtype=bool):
+    """[n, n] with ones on and below the diagonal: token i sees token j iff j <= i."""
+    i = jnp.arange(n)[:, None]
+    j = jnp.arange(n)[None, :]
+    return (j <= i).astype(dtype)

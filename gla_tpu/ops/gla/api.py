@@ -1,0 +1,102 @@
+"""The public gated linear attention op and its fla-named aliases."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from gla_tpu.ops.common import backends
+from gla_tpu.ops.common import validation as checks
+from gla_tpu.ops.gla.validation import validate_gla
+
+# Backend name -> module implementing `check_supported(problem)` and
+# `gla(q, k, v, g, *, problem, initial_state, segment_ids, interpret) -> (o, final_state)`.
+_BACKEND_MODULES = {
+    backends.XLA: "gla_tpu.ops.gla.xla",
+    backends.MOSAIC_TPU: "gla_tpu.ops.gla.mosaic_tpu",
+    backends.PALLAS_GPU: "gla_tpu.ops.gla.pallas_gpu",
+}
+
+
+def _module(backend: str):
+    return importlib.import_module(_BACKEND_MODULES[backend])
+
+
+def gla(
+    q,
+    k,
+    v,
+    g=None,
+    *,
+    scale: float | None = None,
+    initial_state=None,
+    output_final_state: bool = False,
+    segment_ids=None,
+    mode: str = "auto",
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    interpret=False,
+):
+    """Gated linear attention.
+
+    Per batch row and head, with state S [K, V]:
+      S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t,   o_t = scale * q_t S_t.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V]; q, k, v share one floating dtype.
+      g: log forget gate (natural log, g <= 0): [B, T, H, K] per key (GLA), [B, T, H] per head
+        (simple GLA), or None (linear attention). Any float dtype; used in float32.
+      scale: default K ** -0.5.
+      initial_state: [B, H, K, V], used in float32; applies to each row's first segment.
+      output_final_state: also return the state after each row's last token.
+      segment_ids: [B, T] int; the state resets to zero where the id changes.
+      mode: "chunk", "fused_chunk", "fused_recurrent" or "auto" (recurrent for T <= 16, else
+        chunk). All modes compute the same function.
+      chunk_size: 64 (default) or 128, for the chunked modes.
+      backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla".
+      interpret: run a Pallas backend in interpret mode on CPU.
+
+    Returns:
+      (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32 or None).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gla_tpu import ops
+      >>> q = k = v = jnp.ones((1, 100, 2, 64))
+      >>> g = jax.nn.log_sigmoid(jnp.ones((1, 100, 2, 64)))
+      >>> o, s = ops.gla(q, k, v, g, output_final_state=True, backend="xla")
+      >>> o.shape, s.shape
+      ((1, 100, 2, 64), (1, 2, 64, 64))
+    """
+    problem, initial_state, segment_ids = validate_gla(
+        q, k, v, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, segment_ids=segment_ids, mode=mode,
+        chunk_size=chunk_size,
+    )
+    checks.check_choice("backend", backend, backends.BACKENDS)
+
+    def check_supported(name: str) -> None:
+        _module(name).check_supported(problem)
+
+    chosen = backends.resolve_backend("gla", backend, check_supported)
+    return _module(chosen).gla(
+        q, k, v, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
+        interpret=interpret,
+    )
+
+
+def _with_mode(mode: str):
+    @functools.wraps(gla)
+    def op(q, k, v, g=None, **kwargs):
+        if "mode" in kwargs:
+            raise ValueError(f"mode is fixed to {mode!r} by this alias; got mode={kwargs['mode']!r}.")
+        return gla(q, k, v, g, mode=mode, **kwargs)
+
+    op.__name__ = op.__qualname__ = f"{mode}_gla"
+    op.__doc__ = f"`gla` with mode={mode!r} (flash-linear-attention's name)."
+    return op
+
+
+chunk_gla = _with_mode("chunk")
+fused_chunk_gla = _with_mode("fused_chunk")
+fused_recurrent_gla = _with_mode("fused_recurrent")
