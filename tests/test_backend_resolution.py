@@ -1,0 +1,37 @@
+"""backend="auto": the platform's kernel, or "xla" with a one-time warning; named backends raise."""
+
+import warnings
+
+import jax.numpy as jnp
+import pytest
+
+from gla_tpu import ops
+from gla_tpu.ops.common import backends
+
+Q = jnp.ones((1, 8, 2, 48), jnp.float32)  # head dim 48: no Pallas backend takes it
+
+
+def test_auto_on_cpu_runs_xla_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.flash_attention(Q, Q, Q)
+        ops.gla(Q, Q, Q)
+
+
+@pytest.mark.parametrize("platform,kernel", [("tpu", "mosaic_tpu"), ("gpu", "pallas_gpu")])
+def test_auto_falls_back_to_xla_once_with_reason(monkeypatch, platform, kernel):
+    monkeypatch.setattr(backends, "default_platform", lambda: platform)
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(ops.BackendFallbackWarning, match=f"from '{kernel}' to 'xla'"):
+        ops.flash_attention(Q, Q, Q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.flash_attention(Q, Q, Q)  # the same reason warns only once
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "pallas_gpu"])
+def test_named_backend_never_falls_back(backend):
+    with pytest.raises(NotImplementedError, match=backend):
+        ops.flash_attention(Q, Q, Q, backend=backend, interpret=True)
+    with pytest.raises(NotImplementedError, match=backend):
+        ops.gla(Q, Q, Q, jnp.zeros((1, 8, 2)), backend=backend, interpret=True)
