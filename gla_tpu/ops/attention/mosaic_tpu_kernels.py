@@ -1,0 +1,522 @@
+"""Pallas TPU (Mosaic) kernels of softmax flash attention: forward, dq and dk/dv.
+
+The kernels know nothing of autodiff; `mosaic_tpu_vjp.py` wires them with `jax.custom_vjp`.
+Every array here is head-major and padded (docs/attention_mosaic_tpu.md says why):
+q, o, do [B, H, Tp, D]; k, v [B, Hkv, Sp, D]; lse, di [B, H, 1, Tp] float32 rows;
+segment ids [B, 1, Tp] and [B, 1, Sp] int32 rows. Tp and Sp are multiples of every block size
+used along them. Padded keys are masked by position; padded query rows are sliced off by the caller
+(their cotangent is zero, so they add nothing to dk or dv).
+
+Notation (as in the docs): s = sm_scale * q k^T, m the running row max, l the running row sum of
+exp(s - m), lse = m + log(l), p = exp(s - lse), di = rowsum(o * do), ds = p * (do v^T - di).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_tpu.ops.common.masks import attention_visibility
+
+NUM_LANES = 128
+# Contract the last dim of both operands: a @ b.T without a transpose in VMEM.
+NT_DIMS = (((1,), (1,)), ((), ()))
+NN_DIMS = (((1,), (0,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static description of one call: problem semantics plus resolved (clamped) block sizes."""
+
+    batch: int
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    q_len: int  # T, unpadded
+    kv_len: int  # S, unpadded
+    q_len_padded: int  # Tp
+    kv_len_padded: int  # Sp
+    causal: bool
+    sm_scale: float
+    has_segments: bool
+    block_q: int
+    block_kv: int
+    block_kv_compute: int
+    block_q_dq: int
+    block_kv_dq: int
+    block_q_dkv: int
+    block_kv_dkv: int
+    vmem_limit_bytes: int | None
+    interpret: Any  # False or a pltpu.InterpretParams
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (G)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def offset(self) -> int:
+        """Bottom-right causal shift: query i sees key j iff j <= i + offset."""
+        return self.kv_len - self.q_len
+
+    @property
+    def kv_padded(self) -> bool:
+        return self.kv_len_padded != self.kv_len
+
+
+def _block_has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
+    """Causal: does q block `q_block` see any key of kv block `kv_block`? (traced int32 ok)."""
+    return kv_block * bkv <= (q_block + 1) * bq - 1 + cfg.offset
+
+
+def _last_kv_block(cfg: KernelConfig, q_block, bq: int, bkv: int):
+    """Causal: last kv block that q block `q_block` sees, clamped into the grid."""
+    nkv = cfg.kv_len_padded // bkv
+    # Clamping the dividend at 0 first lets a truncating division stand for the floor (a
+    # negative one would clamp to block 0 anyway).
+    last = lax.div(jnp.maximum((q_block + 1) * bq - 1 + cfg.offset, 0), bkv)
+    return jnp.minimum(last, nkv - 1)
+
+
+def _first_q_block(cfg: KernelConfig, kv_block, bq: int, bkv: int):
+    """Causal: first q block that sees any key of kv block `kv_block`, clamped into the grid."""
+    nq = cfg.q_len_padded // bq
+    first = lax.div(jnp.maximum(kv_block * bkv - cfg.offset, 0), bq)
+    return jnp.minimum(first, nq - 1)
+
+
+def _visibility(cfg: KernelConfig, q_pos, k_pos, q_seg, kv_seg):
+    """Bool mask of the block (shape of q_pos/k_pos broadcast), or None when all is visible."""
+    if not (cfg.causal or cfg.has_segments or cfg.kv_padded):
+        return None
+    mask = attention_visibility(
+        q_pos, k_pos, causal=cfg.causal, offset=cfg.offset, q_seg=q_seg, kv_seg=kv_seg
+    )
+    if cfg.kv_padded:
+        mask = jnp.logical_and(mask, k_pos < cfg.kv_len)
+    return mask
+
+
+def _column(row_ref):
+    """A [1, n] row block as an [n, 1] column (lane-major to sublane-major)."""
+    return row_ref[0][:, None]
+
+
+def _compiler_params(cfg: KernelConfig, semantics):
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics, vmem_limit_bytes=cfg.vmem_limit_bytes
+    )
+
+
+def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
+    causal = "_causal" if cfg.causal else ""
+    return f"flash_{kind}{causal}_d{cfg.head_dim}_block_q={bq}_block_kv={bkv}"
+
+
+# --------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
+    if cfg.has_segments:
+        q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+    else:
+        o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+    bq, bkv, bkc = cfg.block_q, cfg.block_kv, cfg.block_kv_compute
+    i, j = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    def compute():
+        q = q_ref[...]  # [bq, D]
+        q_seg = _column(q_seg_ref) if cfg.has_segments else None  # [bq, 1]
+        for c in range(bkv // bkc):
+            cols = slice(c * bkc, (c + 1) * bkc)
+            k = k_ref[cols, :]  # [bkc, D]
+            v = v_ref[cols, :]  # [bkc, D]
+            s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)
+            s = s * cfg.sm_scale  # [bq, bkc]
+            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            k_pos = j * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            kv_seg = kv_seg_ref[:, cols] if cfg.has_segments else None  # [1, bkc]
+            mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
+            if mask is not None:
+                s = jnp.where(mask, s, -jnp.inf)
+            m_prev = m_sc[...]  # [bq, 128], lanes equal
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            # A row with no visible key so far keeps m = -inf; shift it by 0 so that
+            # exp(-inf - shift) = 0 and no inf - inf appears.
+            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # [bq, 128]
+            alpha = jnp.exp(m_prev - shift)  # [bq, 128]
+            p = jnp.exp(s - shift[:, :1])  # [bq, bkc]
+            l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+            pv = lax.dot_general(
+                p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32
+            )  # [bq, D]
+            acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
+            m_sc[...] = m_next
+
+    if cfg.causal:
+        pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
+    else:
+        compute()
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finalize():
+        l = l_sc[...]  # [bq, 128]
+        seen = l > 0.0
+        inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        o_ref[...] = (acc_sc[...] * inv_l[:, :1]).astype(o_ref.dtype)
+        # A row that sees no key gets lse = +inf, so exp(s - lse) = 0 in the backward.
+        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+
+def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
+    """Returns o [B, H, Tp, D] in q's dtype and lse [B, H, Tp] float32."""
+    b, h, tp, d = q.shape
+    bq, bkv = cfg.block_q, cfg.block_kv
+    g = cfg.group
+    grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
+
+    def q_map(bi, hi, i, j):
+        return bi, hi, i, 0
+
+    def kv_map(bi, hi, i, j):
+        if cfg.causal:
+            # Blocks past the diagonal are skipped; re-point them to the last needed block so
+            # the pipeline sees an unchanged index and fetches nothing.
+            j = jnp.minimum(j, _last_kv_block(cfg, i, bq, bkv))
+        return bi, lax.div(hi, g), j, 0
+
+    def kv_seg_map(bi, hi, i, j):
+        _, _, j, _ = kv_map(bi, hi, i, j)
+        return bi, 0, j
+
+    in_specs = [
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+    ]
+    args = [q, k, v]
+    if cfg.has_segments:
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), lambda bi, hi, i, j: (bi, 0, i)),
+            pl.BlockSpec((None, 1, bkv), kv_seg_map),
+        ]
+        args += [q_seg, kv_seg]
+    out_shape = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((b, h, tp, NUM_LANES), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, bq, NUM_LANES), q_map),
+    ]
+    scratch = [
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # m
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # l
+        pltpu.VMEM((bq, d), jnp.float32),  # acc
+    ]
+    name = _call_name("fwd", cfg, bq, bkv)
+    with jax.named_scope(name):
+        o, lse = pl.pallas_call(
+            functools.partial(_fwd_kernel, cfg=cfg),
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+            # (batch, head, q block) parallel; the kv axis carries the online softmax.
+            compiler_params=_compiler_params(
+                cfg, ("parallel", "parallel", "parallel", "arbitrary")
+            ),
+            cost_estimate=_cost(cfg, passes=1, arrays=args, out_shape=out_shape),
+            interpret=cfg.interpret,
+            name=name,
+        )(*args)
+    return o, lse[..., 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dq.
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
+    if cfg.has_segments:
+        q_seg_ref, kv_seg_ref, dq_ref, dq_sc = refs
+    else:
+        dq_ref, dq_sc = refs
+    bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
+    i, j = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+    def compute():
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)
+        s = s * cfg.sm_scale  # [bq, bkv]
+        p = jnp.exp(s - _column(lse_ref))  # [bq, bkv]
+        q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        q_seg = _column(q_seg_ref) if cfg.has_segments else None  # [bq, 1]
+        kv_seg = kv_seg_ref[...] if cfg.has_segments else None  # [1, bkv]
+        mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bkv]
+        ds = p * (dp - _column(di_ref))
+        dq_sc[...] += lax.dot_general(
+            ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32
+        )  # [bq, D]
+
+    if cfg.causal:
+        pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
+    else:
+        compute()
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finalize():
+        dq_ref[...] = (dq_sc[...] * cfg.sm_scale).astype(dq_ref.dtype)
+
+
+def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
+    """dq [B, H, Tp, D] in q's dtype; lse, di [B, H, 1, Tp] float32."""
+    b, h, tp, d = q.shape
+    bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
+    g = cfg.group
+    grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
+
+    def q_map(bi, hi, i, j):
+        return bi, hi, i, 0
+
+    def row_map(bi, hi, i, j):
+        return bi, hi, 0, i
+
+    def kv_map(bi, hi, i, j):
+        if cfg.causal:
+            j = jnp.minimum(j, _last_kv_block(cfg, i, bq, bkv))
+        return bi, lax.div(hi, g), j, 0
+
+    def kv_seg_map(bi, hi, i, j):
+        _, _, j, _ = kv_map(bi, hi, i, j)
+        return bi, 0, j
+
+    in_specs = [
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, 1, bq), row_map),
+        pl.BlockSpec((None, None, 1, bq), row_map),
+    ]
+    args = [q, k, v, do, lse, di]
+    if cfg.has_segments:
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), lambda bi, hi, i, j: (bi, 0, i)),
+            pl.BlockSpec((None, 1, bkv), kv_seg_map),
+        ]
+        args += [q_seg, kv_seg]
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    name = _call_name("bwd_dq", cfg, bq, bkv)
+    with jax.named_scope(name):
+        return pl.pallas_call(
+            functools.partial(_dq_kernel, cfg=cfg),
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, bq, d), q_map),
+            scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+            compiler_params=_compiler_params(
+                cfg, ("parallel", "parallel", "parallel", "arbitrary")
+            ),
+            cost_estimate=_cost(cfg, passes=2, arrays=args, out_shape=[out_shape]),
+            interpret=cfg.interpret,
+            name=name,
+        )(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dk and dv, computed transposed (keys on sublanes, queries on lanes) so that the
+# per-query rows lse and di broadcast without a relayout.
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
+    if cfg.has_segments:
+        q_seg_ref, kv_seg_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
+    else:
+        dk_ref, dv_ref, dk_sc, dv_sc = refs
+    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
+    j, gi, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+    @pl.when(jnp.logical_and(gi == 0, i == 0))
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    def compute():
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s_t = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)
+        s_t = s_t * cfg.sm_scale  # [bkv, bq]
+        p_t = jnp.exp(s_t - lse_ref[...])  # [bkv, bq]; lse row [1, bq]
+        k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
+        q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s_t.shape, 1)
+        q_seg = q_seg_ref[...] if cfg.has_segments else None  # [1, bq]
+        kv_seg = _column(kv_seg_ref) if cfg.has_segments else None  # [bkv, 1]
+        mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
+        if mask is not None:
+            p_t = jnp.where(mask, p_t, 0.0)
+        dv_sc[...] += lax.dot_general(
+            p_t.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32
+        )  # [bkv, D]
+        dp_t = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
+        ds_t = p_t * (dp_t - di_ref[...])  # [bkv, bq]
+        dk_sc[...] += lax.dot_general(
+            ds_t.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32
+        )  # [bkv, D]
+
+    if cfg.causal:
+        pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
+    else:
+        compute()
+
+    @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))
+    def _finalize():
+        dk_ref[...] = (dk_sc[...] * cfg.sm_scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
+    """(dk, dv) [B, Hkv, Sp, D] in k's dtype, summed over the G query heads of each kv head."""
+    b, hkv, sp, d = k.shape
+    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
+    g = cfg.group
+    # (batch, kv head, kv block) parallel; (query head in group, q block) accumulate.
+    grid = (b, hkv, sp // bkv, g, cfg.q_len_padded // bq)
+
+    def q_block(j, i):
+        if cfg.causal:
+            # q blocks before the first one that sees kv block j are skipped: point them at it.
+            return jnp.maximum(i, _first_q_block(cfg, j, bq, bkv))
+        return i
+
+    def q_map(bi, ni, j, gi, i):
+        return bi, ni * g + gi, q_block(j, i), 0
+
+    def row_map(bi, ni, j, gi, i):
+        return bi, ni * g + gi, 0, q_block(j, i)
+
+    def kv_map(bi, ni, j, gi, i):
+        return bi, ni, j, 0
+
+    in_specs = [
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, 1, bq), row_map),
+        pl.BlockSpec((None, None, 1, bq), row_map),
+    ]
+    args = [q, k, v, do, lse, di]
+    if cfg.has_segments:
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), lambda bi, ni, j, gi, i: (bi, 0, q_block(j, i))),
+            pl.BlockSpec((None, 1, bkv), lambda bi, ni, j, gi, i: (bi, 0, j)),
+        ]
+        args += [q_seg, kv_seg]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    name = _call_name("bwd_dkv", cfg, bq, bkv)
+    with jax.named_scope(name):
+        return pl.pallas_call(
+            functools.partial(_dkv_kernel, cfg=cfg),
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+            ],
+            scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
+            compiler_params=_compiler_params(
+                cfg, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+            ),
+            cost_estimate=_cost(cfg, passes=3, arrays=args, out_shape=out_shape),
+            interpret=cfg.interpret,
+            name=name,
+        )(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# Cost model shared with the docs' roofline: matmul FLOPs over the visible fraction.
+
+
+def visible_fraction(q_len: int, kv_len: int, causal: bool) -> float:
+    """Fraction of the [T, S] score matrix that causal (bottom-right) masking leaves visible."""
+    if not causal:
+        return 1.0
+    # Row i sees clip(i + S - T + 1, 0, S) keys.
+    seen = np.clip(np.arange(q_len, dtype=np.int64) + (kv_len - q_len + 1), 0, kv_len).sum()
+    return float(seen) / (q_len * kv_len)
+
+
+def attention_flops(batch, heads, q_len, kv_len, head_dim, causal, *, passes: int) -> float:
+    """Matmul FLOPs of one kernel over the visible part of the score matrix.
+
+    passes=1: forward (s = q k^T, p v: 2 matmuls); 2: dq kernel (s, dp, dq: 3); 3: dk/dv kernel
+    (s, dp, dv, dk: 4). Each matmul costs 2 B H T S D.
+    """
+    matmuls = {1: 2, 2: 3, 3: 4}[passes]
+    frac = visible_fraction(q_len, kv_len, causal)
+    return 2.0 * matmuls * batch * heads * q_len * kv_len * head_dim * frac
+
+
+def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
+                        *, block_kv_compute: int | None = None, segments: bool = False) -> int:
+    """VMEM footprint of one kernel from its block sizes (docs/attention_mosaic_tpu.md).
+
+    Counts double-buffered input/output blocks, scratch, and the float32 [block_q, block_kv]
+    temporaries the body keeps live (s, p, dp, ds) plus p's cast to the input dtype. A [1, n] row
+    occupies 8 sublanes. Mosaic may reuse temporaries, so this is an upper-bound-style estimate.
+    """
+    bq, bkv, d = block_q, block_kv, head_dim
+    rows = lambda n: 8 * n * 4  # noqa: E731  a [1, n] float32/int32 row block
+    seg = 2 * (rows(bq) + rows(bkv)) if segments else 0
+    if kind == "fwd":
+        bkc = block_kv_compute or bkv
+        io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + bq * NUM_LANES * 4)
+        scratch = 2 * bq * NUM_LANES * 4 + bq * d * 4
+        temps = bq * bkc * (2 * 4 + itemsize)
+    elif kind == "dq":
+        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq) + 2 * bq * d * itemsize
+        scratch = bq * d * 4
+        temps = bq * bkv * (4 * 4 + itemsize)
+    elif kind == "dkv":
+        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq)
+        io += 2 * 2 * bkv * d * itemsize
+        scratch = 2 * bkv * d * 4
+        temps = bq * bkv * (4 * 4 + itemsize)
+    else:
+        raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
+    return io + scratch + temps + seg
+
+
+def _cost(cfg: KernelConfig, *, passes: int, arrays, out_shape) -> pl.CostEstimate:
+    flops = attention_flops(cfg.batch, cfg.num_heads, cfg.q_len, cfg.kv_len, cfg.head_dim,
+                            cfg.causal, passes=passes)
+    trans = cfg.batch * cfg.num_heads * cfg.q_len * cfg.kv_len
+    nbytes = sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+    nbytes += sum(o.size * jnp.dtype(o.dtype).itemsize for o in out_shape)
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(trans), bytes_accessed=int(nbytes))
