@@ -1,0 +1,273 @@
+"""Pallas TPU kernels of chunked GLA and their `pallas_call` builders.
+
+Every kernel walks a grid (batch, head, V block, chunk) and applies pieces of
+`mosaic_tpu_chunk_tile` to one chunk. The kernels ("roles") are:
+
+  fused_fwd   sequential over chunks, state in VMEM scratch: outputs and final state.
+  states      sequential: the state entering every chunk, materialized, and the final state.
+  outputs     parallel over chunks: outputs from materialized states.
+  dstates     sequential, reverse order: the cotangent of the state leaving every chunk
+              (materialized) and the cotangent of the initial state.
+  bwd_chunk   parallel over chunks: dq, dk, dv and the gate's chunk-edge term from materialized
+              states and their cotangents.
+  bwd_fused   as bwd_chunk, sequential, with the state recomputed in VMEM instead of read.
+
+"fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs / states + dstates +
+bwd_chunk. States are held transposed ([V, K]); docs/gla_mosaic_tpu.md gives the layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_tpu.ops.gla import mosaic_tpu_chunk_tile as tile
+from gla_tpu.ops.common.tpu_interpret import tpu_interpret_params
+
+# Roles whose grid walks the chunks in reverse order, and roles free of a carried state.
+_REVERSED = frozenset({"dstates"})
+_PARALLEL = frozenset({"outputs", "bwd_chunk"})
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static description of one chunked problem, as the kernels see it (T already padded)."""
+
+    batch: int
+    seq_len: int  # padded to a multiple of chunk
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    chunk: int
+    block_v: int
+    gate_kind: str
+    has_segments: bool
+    has_initial_state: bool
+    scale: float
+    dtype: jnp.dtype
+
+    @property
+    def num_chunks(self) -> int:
+        return self.seq_len // self.chunk
+
+    @property
+    def num_v_blocks(self) -> int:
+        return self.value_dim // self.block_v
+
+
+def seq_shape(b: int, t: int, h: int, d: int):
+    """Shape of `seq_pack` of a [B, T, H, D] array."""
+    return (b, t, h * d) if d % 128 == 0 else (b, h, t, d)
+
+
+def seq_pack(x):
+    """[B, T, H, D] -> the array the kernels read: [B, T, H*D] (free view) when D % 128 == 0,
+    else a head-major copy [B, H, T, D] (a [C, 64] block of the view would break (8, 128) tiling)."""
+    b, t, h, d = x.shape
+    if d % 128 == 0:
+        return x.reshape(b, t, h * d)
+    return jnp.transpose(x, (0, 2, 1, 3))
+
+
+def seq_unpack(y, num_heads: int, d: int):
+    """Inverse of `seq_pack`."""
+    if d % 128 == 0:
+        b, t, _ = y.shape
+        return y.reshape(b, t, num_heads, d)
+    return jnp.transpose(y, (0, 2, 1, 3))
+
+
+def _seq_spec(d: int, block: int, c: int, chunk_of):
+    """BlockSpec of a `seq_pack`ed array: one chunk of one head, one `block` of its D columns."""
+    if d % 128 == 0:
+        per_head = d // block
+        return pl.BlockSpec(
+            (None, c, block), lambda bi, hi, vi, ni: (bi, chunk_of(ni), hi * per_head + vi % per_head))
+    return pl.BlockSpec((None, None, c, d), lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0))
+
+
+def _specs(cfg: KernelConfig, chunk_of):
+    c, kd, bv = cfg.chunk, cfg.key_dim, cfg.block_v
+    return {
+        "q": _seq_spec(kd, kd, c, chunk_of),
+        "k": _seq_spec(kd, kd, c, chunk_of),
+        "b": _seq_spec(kd, kd, c, chunk_of),
+        "v": _seq_spec(cfg.value_dim, bv, c, chunk_of),
+        "do": _seq_spec(cfg.value_dim, bv, c, chunk_of),
+        "o": _seq_spec(cfg.value_dim, bv, c, chunk_of),
+        "dv": _seq_spec(cfg.value_dim, bv, c, chunk_of),
+        # Per-head gate sums as a column [B, H, T, 1] and as rows [B, H, N, 1, C].
+        "bcol": pl.BlockSpec((None, None, c, 1), lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0)),
+        "brow": pl.BlockSpec((None, None, None, 1, c),
+                             lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0, 0)),
+        # Relative segment index as a column [B, T, 1] and as rows [B, N, 1, C].
+        "segcol": pl.BlockSpec((None, c, 1), lambda bi, hi, vi, ni: (bi, chunk_of(ni), 0)),
+        "segrow": pl.BlockSpec((None, None, 1, c), lambda bi, hi, vi, ni: (bi, chunk_of(ni), 0, 0)),
+        # One [bv, K] block of a transposed state [B, H, V, K] (s0, final, their cotangents).
+        **{name: pl.BlockSpec((None, None, bv, kd), lambda bi, hi, vi, ni: (bi, hi, vi, 0))
+           for name in ("s0", "final", "dfinal", "ds0")},
+        # Materialized per-chunk states [B, H, N, V, K] and their cotangents.
+        **{name: pl.BlockSpec((None, None, None, bv, kd),
+                              lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), vi, 0))
+           for name in ("states", "dstates")},
+        # Per-V-block partial sums of dq, dk: [nV, B, H, T, K] float32.
+        **{name: pl.BlockSpec((None, None, None, c, kd),
+                              lambda bi, hi, vi, ni: (vi, bi, hi, chunk_of(ni), 0))
+           for name in ("dq", "dk")},
+        # Per-chunk, per-V-block [1, K] rows for the gate gradient: [nV, B, H, N, 1, K] float32.
+        **{name: pl.BlockSpec((None, None, None, None, 1, kd),
+                              lambda bi, hi, vi, ni: (vi, bi, hi, chunk_of(ni), 0, 0))
+           for name in ("edge",)},
+    }
+
+
+def _gate_names(cfg: KernelConfig, with_rows: bool = True):
+    if cfg.gate_kind == "key":
+        return ["b"]
+    if cfg.gate_kind == "head":
+        return ["bcol", "brow"] if with_rows else ["bcol"]
+    return []
+
+
+def _seg_names(cfg: KernelConfig):
+    return ["segcol", "segrow"] if cfg.has_segments else []
+
+
+def _s0_names(cfg: KernelConfig):
+    return ["s0"] if cfg.has_initial_state else []
+
+
+def _inputs(cfg: KernelConfig, role: str):
+    gate, seg = _gate_names(cfg), _seg_names(cfg)
+    return {
+        "fused_fwd": ["q", "k", "v", *gate, *seg, *_s0_names(cfg)],
+        "states": ["k", "v", *_gate_names(cfg, with_rows=False), *seg, *_s0_names(cfg)],
+        "outputs": ["q", "k", "v", *gate, *seg, "states"],
+        "dstates": ["q", *_gate_names(cfg, with_rows=False), *seg, "do", "dfinal"],
+        "bwd_chunk": ["q", "k", "v", *gate, *seg, "do", "states", "dstates"],
+        "bwd_fused": ["q", "k", "v", *gate, *seg, *_s0_names(cfg), "do", "dstates"],
+    }[role]
+
+
+def _outputs(cfg: KernelConfig, role: str):
+    b, t, h, kd, vd = cfg.batch, cfg.seq_len, cfg.num_heads, cfg.key_dim, cfg.value_dim
+    f32 = jnp.float32
+    o = jax.ShapeDtypeStruct(seq_shape(b, t, h, vd), cfg.dtype)
+    state = jax.ShapeDtypeStruct((b, h, vd, kd), f32)
+    states = jax.ShapeDtypeStruct((b, h, cfg.num_chunks, vd, kd), f32)
+    partial = jax.ShapeDtypeStruct((cfg.num_v_blocks, b, h, t, kd), f32)
+    rows = jax.ShapeDtypeStruct((cfg.num_v_blocks, b, h, cfg.num_chunks, 1, kd), f32)
+    return {
+        "fused_fwd": {"o": o, "final": state},
+        "states": {"states": states, "final": state},
+        "outputs": {"o": o},
+        "dstates": {"dstates": states, "ds0": state},
+        "bwd_chunk": {"dq": partial, "dk": partial, "dv": o, "edge": rows},
+        "bwd_fused": {"dq": partial, "dk": partial, "dv": o, "edge": rows},
+    }[role]
+
+
+def _scratch(cfg: KernelConfig, role: str):
+    if role in _PARALLEL:
+        return []
+    return [pltpu.VMEM((cfg.block_v, cfg.key_dim), jnp.float32)]  # carried ST or dST
+
+
+def run(cfg: KernelConfig, role: str, arrays: dict, *, interpret=False):
+    """Runs one kernel role on kernel-layout `arrays` (name -> array); returns name -> output."""
+    in_names = _inputs(cfg, role)
+    out_shapes = _outputs(cfg, role)
+    n = cfg.num_chunks
+    chunk_of = (lambda ni: n - 1 - ni) if role in _REVERSED else (lambda ni: ni)
+    specs = _specs(cfg, chunk_of)
+    last = "parallel" if role in _PARALLEL else "arbitrary"
+    name = f"gla_{role}_C{cfg.chunk}_bv{cfg.block_v}_{cfg.gate_kind}"
+    kernel = functools.partial(_kernel, cfg, role, tuple(in_names), tuple(out_shapes))
+    call = pl.pallas_call(
+        kernel,
+        grid=(cfg.batch, cfg.num_heads, cfg.num_v_blocks, n),
+        in_specs=[specs[x] for x in in_names],
+        out_specs=[specs[x] for x in out_shapes],
+        out_shape=list(out_shapes.values()),
+        scratch_shapes=_scratch(cfg, role),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", last)),
+        interpret=tpu_interpret_params(interpret),
+        name=name,
+    )
+    with jax.named_scope(name):
+        outs = call(*[arrays[x] for x in in_names])
+    return dict(zip(out_shapes, outs))
+
+
+def _kernel(cfg: KernelConfig, role: str, in_names, out_names, *refs):
+    n_in, n_out = len(in_names), len(out_names)
+    r = dict(zip(in_names, refs[:n_in]))
+    r.update(zip(out_names, refs[n_in:n_in + n_out]))
+    carry = refs[n_in + n_out] if len(refs) > n_in + n_out else None
+    step, last = pl.program_id(3), pl.num_programs(3) - 1
+    dt = cfg.dtype
+
+    def load(name):
+        return r[name][...] if name in r else None
+
+    if cfg.gate_kind == "key":
+        gate = tile.Gate("key", b=load("b"))
+    elif cfg.gate_kind == "head":
+        gate = tile.Gate("head", col=load("bcol"), row=load("brow"))
+    else:
+        gate = tile.Gate("none")
+    seg = tile.Segments(load("segcol"), load("segrow")) if cfg.has_segments else None
+    do = None if "do" not in r else r["do"][...].astype(jnp.float32) * cfg.scale
+
+    if carry is not None:
+        first_source = "dfinal" if role in _REVERSED else ("s0" if cfg.has_initial_state else None)
+
+        @pl.when(step == 0)
+        def _init():
+            if first_source is None:
+                carry[...] = jnp.zeros(carry.shape, jnp.float32)
+            else:
+                carry[...] = r[first_source][...]
+
+    q, k, v = load("q"), load("k"), load("v")
+    if role == "fused_fwd":
+        st = carry[...]
+        r["o"][...] = tile.output(q, k, v, gate, seg, st, cfg.scale, dt).astype(r["o"].dtype)
+        nxt = tile.next_state(k, v, gate, seg, st, dt)
+    elif role == "states":
+        st = carry[...]
+        r["states"][...] = st
+        nxt = tile.next_state(k, v, gate, seg, st, dt)
+    elif role == "outputs":
+        o = tile.output(q, k, v, gate, seg, r["states"][...], cfg.scale, dt)
+        r["o"][...] = o.astype(r["o"].dtype)
+        return
+    elif role == "dstates":
+        dst = carry[...]
+        r["dstates"][...] = dst
+        nxt = tile.prev_state_grad(q, gate, seg, dst, do, dt)
+    elif role in ("bwd_chunk", "bwd_fused"):
+        st = r["states"][...] if role == "bwd_chunk" else carry[...]
+        dq, dk, dv, edge = tile.backward(q, k, v, gate, seg, do, st, r["dstates"][...], dt)
+        r["dq"][...] = dq
+        r["dk"][...] = dk
+        r["dv"][...] = dv.astype(r["dv"].dtype)
+        r["edge"][...] = edge
+        if role == "bwd_chunk":
+            return
+        nxt = tile.next_state(k, v, gate, seg, st, dt)
+    else:
+        raise ValueError(f"unknown kernel role {role!r}")
+    carry[...] = nxt
+    # The carried value after the last chunk: final state, or d initial state when reversed.
+    end = "ds0" if role in _REVERSED else "final"
+    if end in r:
+        @pl.when(step == last)
+        def _finish():
+            r[end][...] = nxt

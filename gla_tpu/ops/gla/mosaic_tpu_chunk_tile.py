@@ -1,0 +1,266 @@
+"""The math of one chunk, on values already loaded from VMEM: shared by every chunked GLA kernel.
+
+Notation of docs/gla_math.md and docs/gla_mosaic_tpu.md: a chunk holds C tokens; q, k [C, K],
+v and dO [C, bv] (one block of V); b is the chunk-local inclusive running sum of the log gates
+(computed outside the kernels); the state is held transposed, ST = S^T [bv, K] float32, so that
+every product below is a plain, A @ B^T or A^T @ B matmul and no in-kernel transpose is needed.
+
+Every exponential is of a non-positive difference of gate sums; a difference that would be
+positive is masked *before* `exp`, so no inf ever meets a zero mask.
+Matmul operands are in `dt` (the input dtype), accumulation in float32, as in the "xla" backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# Sub-chunk length of the secondary chunking of per-key gates (same as the "xla" backend).
+SUB_CHUNK = 16
+
+_NN = (((1,), (0,)), ((), ()))  # A @ B
+_NT = (((1,), (1,)), ((), ()))  # A @ B^T
+_TN = (((0,), (0,)), ((), ()))  # A^T @ B
+
+
+def _dot(a, b, dims, dt):
+    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims,
+                               preferred_element_type=jnp.float32)
+
+
+def _iota(shape, axis):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """The chunk's gate sums. kind "key": `b` [C, K]; "head": `col` [C, 1], `row` [1, C]; "none"."""
+
+    kind: str
+    b: jax.Array | None = None
+    col: jax.Array | None = None
+    row: jax.Array | None = None
+
+    @property
+    def last(self):
+        """b at the chunk's last token: [1, K] ("key"), [1, 1] ("head"), None ("none")."""
+        if self.kind == "key":
+            return self.b[-1:, :]
+        if self.kind == "head":
+            return self.col[-1:, :]
+        return None
+
+    def to_start(self):
+        """exp(b_i): decay from the chunk start to token i, [C, K] or [C, 1], None if ungated."""
+        if self.kind == "key":
+            return jnp.exp(self.b)
+        if self.kind == "head":
+            return jnp.exp(self.col)
+        return None
+
+    def to_end(self):
+        """exp(b_last - b_j): decay from token j to the chunk end, [C, K] or [C, 1]."""
+        if self.kind == "key":
+            return jnp.exp(self.last - self.b)
+        if self.kind == "head":
+            return jnp.exp(self.last - self.col)
+        return None
+
+    def whole(self):
+        """exp(b_last): decay across the whole chunk, [1, K] or [1, 1]."""
+        return None if self.kind == "none" else jnp.exp(self.last)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Segment index relative to the token before the chunk (0 = the carried state's segment)."""
+
+    col: jax.Array  # [C, 1] int32
+    row: jax.Array  # [1, C] int32
+
+    @property
+    def reaches(self):  # [C, 1]: the carried state reaches token i (no reset before it)
+        return self.col == 0
+
+    @property
+    def in_last(self):  # [C, 1]: token j belongs to the chunk's last segment
+        return self.col == self.col[-1:, :]
+
+    @property
+    def keep(self):  # [1, 1]: no reset inside the chunk, the carried state survives it
+        return self.col[-1:, :] == 0
+
+
+def _mul(x, factor):
+    return x if factor is None else x * factor
+
+
+def _mask_rows(x, rows):
+    return x if rows is None else jnp.where(rows, x, 0.0)
+
+
+def pair_mask(c: int, seg: Segments | None):
+    """[C, C] bool: token i sees token j (j <= i, same segment)."""
+    causal = _iota((c, c), 0) >= _iota((c, c), 1)
+    if seg is None:
+        return causal
+    return jnp.logical_and(causal, seg.col == seg.row)
+
+
+def head_decay(gate: Gate, c: int):
+    """[C, C] exp(b_i - b_j) below the diagonal (masked before exp), for per-head gates."""
+    causal = _iota((c, c), 0) >= _iota((c, c), 1)
+    return jnp.where(causal, jnp.exp(jnp.where(causal, gate.col - gate.row, 0.0)), 0.0)
+
+
+def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_dq=False,
+          want_dk=False):
+    """Intra-chunk scores A[i, j] = sum_k q_ik k_jk exp(b_ik - b_jk) (masked) and their pullback.
+
+    Args:
+      q, k: [C, K]; gate: the chunk's gate sums; mask: [C, C] bool from `pair_mask`.
+      d_scores: [C, C] float32 cotangent of A (already masked), needed for dq / dk.
+    Returns:
+      (A [C, C] | None, dq [C, K] | None, dk [C, K] | None), float32.
+    """
+    c = q.shape[0]
+    if gate.kind != "key":
+        decay = None if gate.kind == "none" else head_decay(gate, c)
+        scores = dq = dk = None
+        if want_scores:
+            scores = jnp.where(mask, _mul(_dot(q, k, _NT, dt), decay), 0.0)
+        if want_dq or want_dk:
+            # The diagonal (i = j, decay 1) stays in float32: its shares of q*dq and k*dk cancel
+            # exactly in db (docs/gla_mosaic_tpu.md), which a rounded matmul operand would spoil.
+            eye = _iota((c, c), 0) == _iota((c, c), 1)
+            ds = jnp.where(eye, 0.0, _mul(d_scores, decay))
+            d_diag = jnp.sum(jnp.where(eye, d_scores, 0.0), axis=1, keepdims=True)  # [C, 1]
+            if want_dq:
+                dq = _dot(ds, k, _NN, dt) + d_diag * k.astype(jnp.float32)
+            if want_dk:
+                dk = _dot(ds, q, _TN, dt) + d_diag * q.astype(jnp.float32)
+        return scores, dq, dk
+    return _intra_per_key(q, k, gate.b, mask, dt, d_scores, want_scores, want_dq, want_dk)
+
+
+def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_dq, want_dk):
+    """Secondary chunking (docs/gla_mosaic_tpu.md): query sub-chunk I against earlier keys factors
+    through r = b at I's first token (exp(b_i - r) * exp(r - b_j), both exponents <= 0); the
+    diagonal sub-chunk takes the elementwise form one key column at a time."""
+    c, kd = q.shape
+    s = min(SUB_CHUNK, c)
+    qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
+    key_pos = _iota((c, 1), 0)
+    col_pos = _iota((1, c), 1)
+    sub_pos = _iota((s, 1), 0)
+    score_rows, dq_rows, dk_diag_rows = [], [], []
+    dk = jnp.zeros((c, kd), jnp.float32) if want_dk else None
+    for i_sub in range(c // s):
+        r0 = i_sub * s
+        q_i, k_i, b_i = qf[r0:r0 + s], kf[r0:r0 + s], b[r0:r0 + s]  # [s, K]
+        ref = b[r0:r0 + 1]  # [1, K]
+        q_scale = jnp.exp(b_i - ref)  # [s, K], exponent <= 0
+        q_rel = q_i * q_scale
+        ds_i = None if d_scores is None else d_scores[r0:r0 + s]  # [s, C]
+        # Keys strictly before the sub-chunk: exp(ref - b_j) <= 1, zero elsewhere.
+        before = key_pos < r0  # [C, 1]
+        k_scale = jnp.where(before, jnp.exp(jnp.where(before, ref - b, 0.0)), 0.0)  # [C, K]
+        score_i = _dot(q_rel, kf * k_scale, _NT, dt) if want_scores else None  # [s, C]
+        dq_i = _dot(ds_i, kf * k_scale, _NN, dt) * q_scale if want_dq else None  # [s, K]
+        if want_dk:
+            dk = dk + _dot(ds_i, q_rel, _TN, dt) * k_scale
+
+        def diag_step(j, carry, q_i=q_i, k_i=k_i, b_i=b_i, ds_i=ds_i, r0=r0):
+            score_i, dq_i, dk_i = carry
+            pick = sub_pos == j  # [s, 1]
+            k_j = jnp.sum(jnp.where(pick, k_i, 0.0), axis=0, keepdims=True)  # [1, K]
+            b_j = jnp.sum(jnp.where(pick, b_i, 0.0), axis=0, keepdims=True)
+            # Rows i < j would have a positive exponent: clamped here, masked by `mask` later.
+            e = jnp.exp(jnp.minimum(b_i - b_j, 0.0))  # [s, K]
+            column = col_pos == r0 + j  # [1, C]
+            if score_i is not None:
+                a_col = jnp.sum(q_i * k_j * e, axis=1, keepdims=True)  # [s, 1]
+                score_i = score_i + jnp.where(column, a_col, 0.0)
+            if dq_i is not None or dk_i is not None:
+                g_col = jnp.sum(jnp.where(column, ds_i, 0.0), axis=1, keepdims=True)  # [s, 1]
+                if dq_i is not None:
+                    dq_i = dq_i + g_col * k_j * e
+                if dk_i is not None:
+                    dk_row = jnp.sum(g_col * q_i * e, axis=0, keepdims=True)  # [1, K]
+                    dk_i = dk_i + jnp.where(pick, dk_row, 0.0)
+            return score_i, dq_i, dk_i
+
+        dk_i = jnp.zeros((s, kd), jnp.float32) if want_dk else None
+        score_i, dq_i, dk_i = jax.lax.fori_loop(0, s, diag_step, (score_i, dq_i, dk_i))
+        score_rows.append(score_i)
+        dq_rows.append(dq_i)
+        dk_diag_rows.append(dk_i)
+    scores = jnp.where(mask, jnp.concatenate(score_rows, axis=0), 0.0) if want_scores else None
+    dq = jnp.concatenate(dq_rows, axis=0) if want_dq else None
+    if want_dk:
+        dk = dk + jnp.concatenate(dk_diag_rows, axis=0)
+    return scores, dq, dk
+
+
+def carried_queries(q, gate: Gate, seg: Segments | None):
+    """q_i * exp(b_i) for tokens the carried state reaches, zero elsewhere: [C, K] float32."""
+    qh = _mul(q.astype(jnp.float32), gate.to_start())
+    return _mask_rows(qh, None if seg is None else seg.reaches)
+
+
+def tail_keys(k, gate: Gate, seg: Segments | None):
+    """k_j * exp(b_last - b_j) for tokens of the chunk's last segment: [C, K] float32."""
+    kt = _mul(k.astype(jnp.float32), gate.to_end())
+    return _mask_rows(kt, None if seg is None else seg.in_last)
+
+
+def carry_state(st, gate: Gate, seg: Segments | None):
+    """keep * ST * exp(b_last): the part of a [bv, K] state (or its cotangent) crossing the chunk."""
+    st = _mul(st, gate.whole())
+    return st if seg is None else jnp.where(seg.keep, st, 0.0)
+
+
+def output(q, k, v, gate, seg, st, scale, dt):
+    """One chunk's output from its tokens and entering state ST [bv, K]: [C, bv] float32."""
+    c = q.shape[0]
+    scores, _, _ = intra(q, k, gate, pair_mask(c, seg), dt, want_scores=True)
+    o = _dot(scores, v, _NN, dt) + _dot(carried_queries(q, gate, seg), st, _NT, dt)
+    return o * scale
+
+
+def next_state(k, v, gate, seg, st, dt):
+    """ST_out = keep * ST_in * exp(b_last) + v^T (k * exp(b_last - b))  [bv, K]."""
+    return carry_state(st, gate, seg) + _dot(v, tail_keys(k, gate, seg), _TN, dt)
+
+
+def prev_state_grad(q, gate, seg, dst, do_scaled, dt):
+    """Cotangent of the entering state from that of the leaving one: [bv, K]."""
+    return carry_state(dst, gate, seg) + _dot(do_scaled, carried_queries(q, gate, seg), _TN, dt)
+
+
+def backward(q, k, v, gate, seg, do_scaled, st, dst, dt):
+    """One chunk's gradients from its tokens, the entering state ST [bv, K] and the cotangent
+    dST [bv, K] of the leaving state; do_scaled = scale * dO, [C, bv] float32.
+
+    Returns float32 (dq [C, K], dk [C, K], dv [C, bv], edge [1, K]) where edge is the share of db
+    at the chunk's last token (docs/gla_mosaic_tpu.md): sum_j k_j * dk_state_j (the leaving
+    state's keys) + <keep * ST * exp(b_last), dST> over V (the carried state). Both use the very
+    values that enter dk, so the last token's k * dk_state cancels exactly in db.
+    """
+    c = q.shape[0]
+    mask = pair_mask(c, seg)
+    d_scores = jnp.where(mask, _dot(do_scaled, v, _NT, dt), 0.0)  # [C, C]
+    scores, dq, dk = intra(q, k, gate, mask, dt, d_scores=d_scores, want_scores=True,
+                           want_dq=True, want_dk=True)
+    dq_inter = _mul(_dot(do_scaled, st, _NN, dt), gate.to_start())
+    dq = dq + _mask_rows(dq_inter, None if seg is None else seg.reaches)
+    k_tail = tail_keys(k, gate, seg)
+    dk_state = _mul(_dot(v, dst, _NN, dt), gate.to_end())
+    dk_state = _mask_rows(dk_state, None if seg is None else seg.in_last)
+    dk = dk + dk_state
+    dv = _dot(scores, do_scaled, _TN, dt) + _dot(k_tail, dst, _NT, dt)
+    edge = (jnp.sum(k.astype(jnp.float32) * dk_state, axis=0, keepdims=True)
+            + jnp.sum(carry_state(st, gate, seg) * dst, axis=0, keepdims=True))
+    return dq, dk, dv, edge
