@@ -1,0 +1,145 @@
+"""A small decoder-only language model: embedding, pre-norm blocks, final RMSNorm, tied or
+untied output head. Parameters are float32; activations run in `Config.dtype`; logits are float32.
+
+Decoding: `init_state` gives one state per layer (a KV cache for softmax layers, a [B, H, K, V]
+float32 recurrent state for the linear kinds); `apply` with a state continues from it (a prompt),
+`decode_step` feeds one token per row. Both equal the full-sequence forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.layers import block
+from gla_tpu.layers.basic import (
+    check_positive,
+    check_segment_ids,
+    dense_init,
+    rms_norm,
+    rms_norm_init,
+)
+from gla_tpu.ops.common import validation as checks
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    num_layers: int
+    block: block.Config
+    tie_embeddings: bool = True
+    dtype: str = "bfloat16"  # activations
+
+    def __post_init__(self):
+        check_positive("vocab_size", self.vocab_size)
+        check_positive("num_layers", self.num_layers)
+        if not isinstance(self.block, block.Config):
+            raise ValueError(f"block must be a layers.block.Config; got {self.block!r}.")
+        checks.check_choice("dtype", self.dtype, ("bfloat16", "float32", "float16", "float64"))
+
+    @property
+    def d_model(self) -> int:
+        return self.block.d_model
+
+
+def init(key, config: Config):
+    """{"embed": [vocab, d_model], "blocks": [per-layer dicts], "final_norm", "head"?}, float32.
+
+    The embedding has unit-variance rows; with tied embeddings the head is embed^T / sqrt(d_model).
+    """
+    k_embed, k_head, k_blocks = jax.random.split(key, 3)
+    params = {
+        "embed": jax.random.normal(k_embed, (config.vocab_size, config.d_model), jnp.float32),
+        "blocks": [block.init(k, config.block)
+                   for k in jax.random.split(k_blocks, config.num_layers)],
+        "final_norm": rms_norm_init(config.d_model),
+    }
+    if not config.tie_embeddings:
+        params["head"] = dense_init(k_head, config.d_model, config.vocab_size)
+    return params
+
+
+def init_state(config: Config, batch: int, max_len: int):
+    """A list of per-layer decoding states for `batch` rows and up to `max_len` tokens."""
+    return [block.init_state(config.block, batch, max_len, jnp.dtype(config.dtype))
+            for _ in range(config.num_layers)]
+
+
+def apply(params, tokens, config: Config, *, state=None, segment_ids=None):
+    """Logits for every position.
+
+    Args:
+      params: from `init`.
+      tokens: [B, T] int token ids.
+      config: the LM's Config.
+      state: None, or the per-layer states from `init_state` / a previous call to continue from.
+      segment_ids: [B, T] int ids for packed sequences (full sequence only): tokens see only their
+        own segment (a maximal run of equal ids), as if each segment were its own row.
+    Returns:
+      (logits [B, T, vocab] float32, new per-layer states or None).
+
+    Example:
+      >>> cfg = Config(vocab_size=128, num_layers=2,
+      ...              block=block.Config(d_model=64, num_heads=4, attention="gla"))
+      >>> params = init(jax.random.key(0), cfg)
+      >>> logits, _ = apply(params, jnp.zeros((2, 32), jnp.int32), cfg)
+    """
+    checks.check_array("tokens", tokens, rank=2, layout="[batch, time]")
+    checks.check_integer("tokens", tokens)
+    b, t = tokens.shape
+    check_segment_ids(segment_ids, b, t)
+    if state is not None and len(state) != config.num_layers:
+        raise ValueError(
+            f"state must hold num_layers={config.num_layers} layer states; got {len(state)}."
+        )
+    dtype = jnp.dtype(config.dtype)
+    with jax.named_scope("lm"):
+        x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, d_model]
+        new_states = []
+        for i, layer_params in enumerate(params["blocks"]):
+            x, s = block.apply(layer_params, x, config.block,
+                               state=None if state is None else state[i], segment_ids=segment_ids)
+            new_states.append(s)
+        x = rms_norm(params["final_norm"], x, eps=config.block.norm_eps)
+        if config.tie_embeddings:
+            head = params["embed"].T * config.d_model**-0.5
+        else:
+            head = params["head"]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+    return logits, (None if state is None else new_states)
+
+
+def decode_step(params, tokens, state, config: Config):
+    """One decoding step: tokens [B] int -> (logits [B, vocab] float32, new per-layer states).
+
+    Example:
+      >>> state = init_state(cfg, batch=2, max_len=64)
+      >>> logits, state = apply(params, prompt, cfg, state=state)  # prompt [2, P]
+      >>> token = jnp.argmax(logits[:, -1], axis=-1)
+      >>> for _ in range(8):
+      ...     logits, state = decode_step(params, token, state, cfg)
+      ...     token = jnp.argmax(logits, axis=-1)
+    """
+    checks.check_array("tokens", tokens, rank=1, layout="[batch]")
+    logits, state = apply(params, tokens[:, None], config, state=state)
+    return logits[:, 0], state
+
+
+def cross_entropy(logits, targets, weights=None):
+    """Mean token cross-entropy in float32 over positions with weight > 0.
+
+    Args:
+      logits: [B, T, vocab]; targets: [B, T] int; weights: [B, T] (None: all ones).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    if weights is None:
+        return jnp.mean(nll)
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def num_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
