@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# pytest-xdist workers each load libtpu for the TPU compile tests; without this the second
+# process fails on libtpu's single-process lockfile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Several host devices let sharding tests run on a CPU machine.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 

@@ -1,6 +1,7 @@
 """The "xla" backend against the float64 references: outputs, final states and every gradient."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@settings(max_examples=6)
 @given(case=attention_cases())
 def test_attention_xla_matches_reference(dtype, case):
     check_attention_parity(case, jax.random.key(hash(case) % 2**31), dtype=dtype, backend="xla")
@@ -23,6 +25,7 @@ def test_attention_xla_matches_reference(dtype, case):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("mode", ["chunk", "fused_chunk", "fused_recurrent"])
+@settings(max_examples=4)
 @given(case=gla_cases(), chunk_size=st.sampled_from([64, 128]))
 def test_gla_xla_matches_reference(dtype, mode, case, chunk_size):
     check_gla_parity(case, jax.random.key(hash(case) % 2**31), dtype=dtype, mode=mode,
@@ -61,7 +64,7 @@ def _largest_intermediate(fn, *args):
             for var in eqn.outvars:
                 if hasattr(var.aval, "shape"):
                     sizes.append(int(np.prod(var.aval.shape)))
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 visit(sub)
 
     visit(jaxpr.jaxpr)
@@ -77,7 +80,7 @@ def test_gla_xla_long_sequence_builds_no_t_by_t_array():
     case = GLACase(b, t, h, d, d, gate="key", output_final_state=True)
     inputs = make_gla_inputs(case, jax.random.key(0))
     o, s = jax.jit(lambda i: ops.gla(**i, output_final_state=True, backend="xla"))(inputs)
-    ro, rs = ops.gla_recurrent_reference(**inputs, output_final_state=True)
+    ro = np.asarray(ops.gla_recurrent_reference(**inputs)[0])
     rel = np.linalg.norm(np.asarray(o, np.float64) - ro) / np.linalg.norm(ro)
     assert rel < 1e-5 and np.all(np.isfinite(s))
 

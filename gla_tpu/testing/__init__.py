@@ -28,4 +28,5 @@ __all__ = [
     "outputs_and_grads",
     "random_cotangents",
     "random_segment_ids",
+    "relative_rms_error",
 ]

@@ -8,11 +8,17 @@ compiler, VMEM budget included.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import jax
 import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Several processes (parallel test workers) may each load libtpu to compile; libtpu otherwise
+# takes a single-process lock.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # Generation -> topology name understood by libtpu.
 TPU_TOPOLOGIES = {
@@ -26,15 +32,12 @@ TPU_GENERATIONS = tuple(TPU_TOPOLOGIES)
 
 
 def libtpu_available() -> bool:
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether libtpu (the `test` extra) is installed, so TPU compilation can run here."""
+    return importlib.util.find_spec("libtpu") is not None
 
 
 @functools.cache
-def _single_device_sharding(generation: str) -> NamedSharding:
+def _single_device_mesh(generation: str) -> Mesh:
     if generation not in TPU_TOPOLOGIES:
         raise ValueError(
             f"generation must be one of {TPU_GENERATIONS}; got {generation!r}."
@@ -42,8 +45,11 @@ def _single_device_sharding(generation: str) -> NamedSharding:
     topo = topologies.get_topology_desc(
         platform="tpu", topology_name=TPU_TOPOLOGIES[generation]
     )
-    mesh = Mesh(np.array(topo.devices[:1]), ("x",))
-    return NamedSharding(mesh, PartitionSpec())
+    return Mesh(np.array(topo.devices[:1]), ("x",))
+
+
+def _single_device_sharding(generation: str) -> NamedSharding:
+    return NamedSharding(_single_device_mesh(generation), PartitionSpec())
 
 
 def abstract(shape, dtype, generation: str = "v5e") -> jax.ShapeDtypeStruct:
@@ -73,4 +79,7 @@ def compile_for_tpu(fn, *abstract_args, generation: str = "v5e", static_kwargs=N
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract_args
     )
     kwargs = static_kwargs or {}
-    return jax.jit(lambda *args: fn(*args, **kwargs)).lower(*placed).compile()
+    # The abstract mesh tells lowering rules that query the chip (pltpu.get_tpu_info) which
+    # generation they target; without it they would see the CPU host.
+    with jax.sharding.use_abstract_mesh(_single_device_mesh(generation).abstract_mesh):
+        return jax.jit(lambda *args: fn(*args, **kwargs)).lower(*placed).compile()
