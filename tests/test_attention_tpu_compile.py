@@ -6,9 +6,9 @@ budget included): the forward, and jax.grad of a scalar loss (forward with resid
 docs/attention_mosaic_tpu.md claims exactly the configurations compiled here.
 
 Default run: the three documented configurations forward and forward+backward on every generation,
-plus one ragged GQA problem with segments. `-m slow` adds the issue's sweep (T in {2048, 8192,
-32768}, D in {64, 128, 256}, causal and not, GQA 8:1) forward+backward on every generation; the
-forward kernel is part of every forward+backward executable.
+plus one ragged GQA problem with segments, plus the issue's sweep (T in {2048, 8192, 32768}, D in
+{64, 128, 256}, causal and not, GQA 8:1) forward+backward on every generation; the forward kernel
+is part of every forward+backward executable.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ def test_ragged_gqa_segments_compile(generation):
     assert _compile(RAGGED_CONFIG, generation, backward=True) is not None
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("generation", TPU_GENERATIONS)
 @pytest.mark.parametrize("config", SWEEP)
 def test_sweep_compiles(config, generation):

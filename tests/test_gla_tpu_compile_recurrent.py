@@ -64,3 +64,20 @@ def test_decode_step_compiles(generation):
     # buffer alignment).
     expected = b * h * vd * 2 + b * h * kd * vd * 4
     assert expected <= compiled.memory_analysis().output_size_in_bytes <= 1.01 * expected
+
+
+# Head-dim coverage beyond the training shape (docs/gla_mosaic_tpu_recurrent.md claims these):
+# the GLA paper's K=256/V=512, the largest dims, and dims that are not multiples of 128.
+HEAD_DIM_SHAPES = {
+    "k256_v512": (2, 128, 4, 256, 512),
+    "k512_v512": (1, 128, 2, 512, 512),
+    "k448_v320": (1, 128, 2, 448, 320),
+    "k64_v64": (2, 130, 4, 64, 64),
+}
+
+
+@pytest.mark.parametrize("generation", TPU_GENERATIONS)
+@pytest.mark.parametrize("name", list(HEAD_DIM_SHAPES))
+def test_head_dims_compile_forward_backward(name, generation):
+    args = _abstract_inputs(*HEAD_DIM_SHAPES[name], with_state=True)
+    assert compile_for_tpu(_forward_backward, *args, generation=generation) is not None
