@@ -23,6 +23,9 @@ CONFIGS = {
     "fused_chunk-key-B2-T8192-H8-K128-V128": ("fused_chunk", "key", 2, 8192, 8, 128, 128),
     "chunk-key-B4-T2048-H4-K256-V512": ("chunk", "key", 4, 2048, 4, 256, 512),
     "fused_chunk-head-B2-T4096-H16-K64-V64": ("fused_chunk", "head", 2, 4096, 16, 64, 64),
+    # Head-dim coverage: the largest dims, and dims that are not multiples of 128.
+    "fused_chunk-key-B1-T1024-H2-K512-V512": ("fused_chunk", "key", 1, 1024, 2, 512, 512),
+    "chunk-key-B1-T1024-H2-K192-V320": ("chunk", "key", 1, 1024, 2, 192, 320),
 }
 
 
