@@ -36,7 +36,7 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-# ---------------------------------------------------------------- hand-written references
+# Hand-written references.
 
 
 def _gla_by_hand(params, x, cfg: gla_layer.Config, state=None, segment_ids=None):
@@ -107,7 +107,6 @@ def _mha_by_hand(params, x, cfg: mha.Config, segment_ids=None):
     return o.reshape(b, t, h * d) @ p["wo"]
 
 
-# ---------------------------------------------------------------- tests
 
 
 GLA_CONFIGS = {

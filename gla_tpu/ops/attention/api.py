@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-
 from gla_tpu.ops.attention.validation import validate_attention
 from gla_tpu.ops.common import backends
 from gla_tpu.ops.common import validation as checks
 
-# Backend name -> module implementing `check_supported(problem, block_sizes)` and
+# Each backend is the module gla_tpu.ops.attention.<backend>, implementing
+# `check_supported(problem, block_sizes)` and
 # `flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret)`.
-_BACKEND_MODULES = {
-    backends.XLA: "gla_tpu.ops.attention.xla",
-    backends.MOSAIC_TPU: "gla_tpu.ops.attention.mosaic_tpu",
-    backends.PALLAS_GPU: "gla_tpu.ops.attention.pallas_gpu",
-}
-
-
-def _module(backend: str):
-    return importlib.import_module(_BACKEND_MODULES[backend])
 
 
 def flash_attention(
@@ -64,12 +54,12 @@ def flash_attention(
     checks.check_choice("backend", backend, backends.BACKENDS)
 
     def check_supported(name: str) -> None:
-        _module(name).check_supported(problem, block_sizes)
+        backends.backend_module("attention", name).check_supported(problem, block_sizes)
 
     chosen = backends.resolve_backend("flash_attention", backend, check_supported)
     if chosen == backends.XLA and backend == "auto":
         block_sizes = None  # the fallback has no tiles to tune; the warning said why.
-    return _module(chosen).flash_attention(
+    return backends.backend_module("attention", chosen).flash_attention(
         q, k, v, problem=problem, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
         block_sizes=block_sizes, interpret=interpret,
     )

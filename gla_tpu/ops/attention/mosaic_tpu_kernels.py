@@ -121,7 +121,6 @@ def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
     return f"flash_{kind}{causal}_d{cfg.head_dim}_block_q={bq}_block_kv={bkv}"
 
 
-# --------------------------------------------------------------------------------------------
 # Forward.
 
 
@@ -183,27 +182,40 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
         lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
 
 
-def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
-    """Returns o [B, H, Tp, D] in q's dtype and lse [B, H, Tp] float32."""
-    b, h, tp, d = q.shape
-    bq, bkv = cfg.block_q, cfg.block_kv
-    g = cfg.group
-    grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
+def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
+    """Index maps of the (batch, head, q block, kv block) grids of the forward and dq kernels.
+
+    Returns (q_map, kv_map, segment BlockSpecs [q ids, kv ids]). With causal masking, kv blocks
+    past the diagonal are skipped; kv_map re-points them to the last needed block so the pipeline
+    sees an unchanged index and fetches nothing. The kv head is the query head divided by the
+    group size (GQA without repeating k/v).
+    """
 
     def q_map(bi, hi, i, j):
         return bi, hi, i, 0
 
     def kv_map(bi, hi, i, j):
         if cfg.causal:
-            # Blocks past the diagonal are skipped; re-point them to the last needed block so
-            # the pipeline sees an unchanged index and fetches nothing.
             j = jnp.minimum(j, _last_kv_block(cfg, i, bq, bkv))
-        return bi, lax.div(hi, g), j, 0
+        return bi, lax.div(hi, cfg.group), j, 0
 
     def kv_seg_map(bi, hi, i, j):
         _, _, j, _ = kv_map(bi, hi, i, j)
         return bi, 0, j
 
+    seg_specs = [
+        pl.BlockSpec((None, 1, bq), lambda bi, hi, i, j: (bi, 0, i)),
+        pl.BlockSpec((None, 1, bkv), kv_seg_map),
+    ]
+    return q_map, kv_map, seg_specs
+
+
+def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
+    """Returns o [B, H, Tp, D] in q's dtype and lse [B, H, Tp] float32."""
+    b, h, tp, d = q.shape
+    bq, bkv = cfg.block_q, cfg.block_kv
+    grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
+    q_map, kv_map, seg_specs = _q_major_maps(cfg, bq, bkv)
     in_specs = [
         pl.BlockSpec((None, None, bq, d), q_map),
         pl.BlockSpec((None, None, bkv, d), kv_map),
@@ -211,10 +223,7 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
     ]
     args = [q, k, v]
     if cfg.has_segments:
-        in_specs += [
-            pl.BlockSpec((None, 1, bq), lambda bi, hi, i, j: (bi, 0, i)),
-            pl.BlockSpec((None, 1, bkv), kv_seg_map),
-        ]
+        in_specs += seg_specs
         args += [q_seg, kv_seg]
     out_shape = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -249,7 +258,6 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
     return o, lse[..., 0]
 
 
-# --------------------------------------------------------------------------------------------
 # Backward: dq.
 
 
@@ -297,23 +305,11 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
     """dq [B, H, Tp, D] in q's dtype; lse, di [B, H, 1, Tp] float32."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
-    g = cfg.group
     grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
-
-    def q_map(bi, hi, i, j):
-        return bi, hi, i, 0
+    q_map, kv_map, seg_specs = _q_major_maps(cfg, bq, bkv)
 
     def row_map(bi, hi, i, j):
         return bi, hi, 0, i
-
-    def kv_map(bi, hi, i, j):
-        if cfg.causal:
-            j = jnp.minimum(j, _last_kv_block(cfg, i, bq, bkv))
-        return bi, lax.div(hi, g), j, 0
-
-    def kv_seg_map(bi, hi, i, j):
-        _, _, j, _ = kv_map(bi, hi, i, j)
-        return bi, 0, j
 
     in_specs = [
         pl.BlockSpec((None, None, bq, d), q_map),
@@ -325,10 +321,7 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
     ]
     args = [q, k, v, do, lse, di]
     if cfg.has_segments:
-        in_specs += [
-            pl.BlockSpec((None, 1, bq), lambda bi, hi, i, j: (bi, 0, i)),
-            pl.BlockSpec((None, 1, bkv), kv_seg_map),
-        ]
+        in_specs += seg_specs
         args += [q_seg, kv_seg]
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     name = _call_name("bwd_dq", cfg, bq, bkv)
@@ -349,7 +342,6 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
         )(*args)
 
 
-# --------------------------------------------------------------------------------------------
 # Backward: dk and dv, computed transposed (keys on sublanes, queries on lanes) so that the
 # per-query rows lse and di broadcast without a relayout.
 
@@ -459,7 +451,6 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
         )(*args)
 
 
-# --------------------------------------------------------------------------------------------
 # Cost model shared with the docs' roofline: matmul FLOPs over the visible fraction.
 
 

@@ -7,6 +7,7 @@ distinct reason. A backend named explicitly never falls back: its NotImplemented
 
 from __future__ import annotations
 
+import importlib
 import threading
 import warnings
 from typing import Callable
@@ -66,3 +67,11 @@ def resolve_backend(op_name: str, backend: str, check_supported: Callable[[str],
         warn_once(f"{op_name}: backend='auto' falls back from {candidate!r} to 'xla': {e}")
         return XLA
     return candidate
+
+
+def backend_module(op_family: str, backend: str):
+    """The module of a concrete backend: gla_tpu.ops.<op_family>.<backend> ("attention" or "gla").
+
+    Imported on first use, so a Pallas backend costs nothing until it is picked.
+    """
+    return importlib.import_module(f"gla_tpu.ops.{op_family}.{backend}")

@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import functools
-import importlib
 
 from gla_tpu.ops.common import backends
 from gla_tpu.ops.common import validation as checks
 from gla_tpu.ops.gla.validation import validate_gla
 
-# Backend name -> module implementing `check_supported(problem)` and
+# Each backend is the module gla_tpu.ops.gla.<backend>, implementing `check_supported(problem)` and
 # `gla(q, k, v, g, *, problem, initial_state, segment_ids, interpret) -> (o, final_state)`.
-_BACKEND_MODULES = {
-    backends.XLA: "gla_tpu.ops.gla.xla",
-    backends.MOSAIC_TPU: "gla_tpu.ops.gla.mosaic_tpu",
-    backends.PALLAS_GPU: "gla_tpu.ops.gla.pallas_gpu",
-}
-
-
-def _module(backend: str):
-    return importlib.import_module(_BACKEND_MODULES[backend])
 
 
 def gla(
@@ -76,10 +66,10 @@ def gla(
     checks.check_choice("backend", backend, backends.BACKENDS)
 
     def check_supported(name: str) -> None:
-        _module(name).check_supported(problem)
+        backends.backend_module("gla", name).check_supported(problem)
 
     chosen = backends.resolve_backend("gla", backend, check_supported)
-    return _module(chosen).gla(
+    return backends.backend_module("gla", chosen).gla(
         q, k, v, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
         interpret=interpret,
     )
