@@ -40,3 +40,16 @@ def test_named_backend_never_falls_back(backend):
     x = jnp.ones((1, 8, 2, UNSUPPORTED_GLA_DIM[backend]), jnp.float32)
     with pytest.raises(NotImplementedError, match=backend):
         ops.gla(x, x, x, jnp.zeros((1, 8, 2)), backend=backend, interpret=True)
+
+
+@pytest.mark.parametrize("op", ["flash_attention", "gla"])
+def test_mosaic_tpu_refuses_float16_and_auto_falls_back(monkeypatch, op):
+    x = jnp.ones((1, 8, 2, 64), jnp.float16)
+    call = (lambda **kw: ops.flash_attention(x, x, x, **kw)) if op == "flash_attention" else (
+        lambda **kw: ops.gla(x, x, x, **kw))
+    with pytest.raises(NotImplementedError, match="bfloat16 or float32.*float16"):
+        call(backend="mosaic_tpu", interpret=True)
+    monkeypatch.setattr(backends, "default_platform", lambda: "tpu")
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(ops.BackendFallbackWarning, match="float16"):
+        call()
