@@ -1,11 +1,136 @@
-"""The "pallas_gpu" GLA backend (not yet implemented)."""
+"""The "pallas_gpu" GLA backend: the chunked algorithm in Pallas kernels (Triton lowering).
+
+Every mode runs the chunked kernels of pallas_gpu_kernels.py (docs/gpu_backend.md says why:
+"fused_chunk" and "fused_recurrent" compute the same function and the chunked path is the fastest
+correct one written for the GPU). This module pads, prepares gates and segment masks in XLA and
+wires the kernels with `jax.custom_vjp`; the gate gradient comes from the identity
+dL/db_t = q_t dq_t - k_t dk_t summed backwards within the chunk, plus h_{n+1} * dh_{n+1} summed
+over V for everything later chunks add (docs/gpu_backend.md derives it).
+"""
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common.gating import (
+    chunk_local_cumsum,
+    pad_segment_index,
+    pad_time,
+    segment_index,
+)
+from gla_tpu.ops.gla import pallas_gpu_kernels as kernels
+
+CHUNK = 64  # chunk length on GPU, whatever `chunk_size` asks (the result does not depend on it)
+BLOCK = 64  # K and V tile
+MAX_DIM = 512
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
 
 def check_supported(problem) -> None:
-    raise NotImplementedError("the 'pallas_gpu' gla backend is not implemented yet; use backend='xla'.")
+    for name, dim in (("K", problem.key_dim), ("V", problem.value_dim)):
+        if dim > MAX_DIM:
+            raise NotImplementedError(
+                f"the 'pallas_gpu' gla takes {name} <= {MAX_DIM}; got {name}={dim}. "
+                "backend='xla' takes it."
+            )
+    if jnp.dtype(problem.dtype) not in DTYPES:
+        raise NotImplementedError(
+            f"the 'pallas_gpu' gla takes bfloat16, float16 or float32; got {problem.dtype}. "
+            "backend='xla' takes it."
+        )
+
+
+def _padded_dim(d: int) -> int:
+    return max(BLOCK, 1 << (d - 1).bit_length())
+
+
+def _pad_last(x, size: int):
+    pad = size - x.shape[-1]
+    if pad == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def segment_masks(seg, chunk: int):
+    """seg [B, Tp] running segment index -> (reach [B, Tp], last [B, Tp], keep [B, N],
+    start [B, Tp]) float32; start is 1.0 at the first token of every segment but the first."""
+    b, tp = seg.shape
+    n = tp // chunk
+    segc = seg.reshape(b, n, chunk)
+    prev_seg = jnp.concatenate([seg[:, :1], seg[:, chunk - 1 : -1 : chunk]], axis=1)  # [B, N]
+    last_seg = segc[:, :, -1]
+    reach = (segc == prev_seg[:, :, None]).reshape(b, tp).astype(jnp.float32)
+    last = (segc == last_seg[:, :, None]).reshape(b, tp).astype(jnp.float32)
+    keep = (last_seg == prev_seg).astype(jnp.float32)
+    start = jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return reach, last, keep, start.astype(jnp.float32)
 
 
 def gla(q, k, v, g, *, problem, initial_state, segment_ids, interpret):
     check_supported(problem)
+    b, t, h, kd = q.shape
+    vd = v.shape[-1]
+    kp, vp = _padded_dim(kd), _padded_dim(vd)
+    if g is None:
+        gates = jnp.zeros((b, t, h, kd), jnp.float32)
+    elif g.ndim == 3:
+        gates = jnp.broadcast_to(g.astype(jnp.float32)[..., None], (b, t, h, kd))
+    else:
+        gates = g.astype(jnp.float32)
+    # zero q, k, v and zero log gates past T or past K, V leave outputs and states unchanged
+    qp, kp_, gp = (pad_time(_pad_last(x, kp), CHUNK) for x in (q, k, gates))
+    vpad = pad_time(_pad_last(v, vp), CHUNK)
+    s0 = None
+    if initial_state is not None:
+        s0 = jnp.pad(initial_state, [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    seg = reach = last = keep = start = None
+    if segment_ids is not None:
+        seg = pad_segment_index(segment_index(segment_ids), CHUNK)
+        reach, last, keep, start = segment_masks(seg, CHUNK)
+    geo = kernels.ChunkGeometry(
+        chunk=CHUNK, block_k=BLOCK, block_v=BLOCK, key_dim=kp, value_dim=vp,
+        num_chunks=qp.shape[1] // CHUNK, scale=float(problem.scale),
+        has_segments=segment_ids is not None,
+    )
+    with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
+        o, final = _chunked(qp, kp_, vpad, gp, s0, seg, reach, last, keep, start, geo,
+                             bool(interpret))
+    o = o[:, :t, :, :vd]
+    final = final[:, :, :kd, :vd] if problem.output_final_state else None
+    return o, final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _chunked(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
+    out, _ = _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret)
+    return out
+
+
+def _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
+    b = chunk_local_cumsum(g, geo.chunk)  # [B, Tp, H, K] float32
+    states, final = kernels.state_pass(k, v, b, last, keep, s0, geo=geo, reverse=False,
+                                       interpret=interpret)
+    a = kernels.intra_scores(q, k, b, seg, geo=geo, interpret=interpret)
+    o = kernels.chunk_output(q, b, reach, a, v, states, geo=geo, interpret=interpret)
+    residuals = (q, k, v, b, s0, seg, reach, last, keep, start, a, states)
+    return (o, final), residuals
+
+
+def _chunked_bwd(geo, interpret, residuals, cotangents):
+    q, k, v, b, s0, seg, reach, last, keep, start, a, states = residuals
+    do, dfinal = cotangents
+    do = do.astype(v.dtype)
+    dfinal = dfinal.astype(jnp.float32)
+    dstates, ds0 = kernels.state_pass(q, do, b, reach, keep, dfinal, geo=geo, reverse=True,
+                                      interpret=interpret)
+    dq, dk, dg = kernels.chunk_dqk(q, k, v, do, b, seg, reach, last, start, states, dstates,
+                                   geo=geo, interpret=interpret)
+    dv = kernels.chunk_dv(k, b, last, a, do, dstates, geo=geo, interpret=interpret)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, None if s0 is None else ds0,
+            None, None, None, None, None)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)

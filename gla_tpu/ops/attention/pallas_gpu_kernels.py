@@ -1,0 +1,313 @@
+"""Pallas (Triton lowering) kernel bodies and pallas_call builders of the GPU flash attention.
+
+Three kernels, none of which knows about autodiff (pallas_gpu.py wires them with custom_vjp):
+- forward: one program per (query block, batch, head); online softmax over key blocks; writes o
+  and the base-2 log-sum-exp `lse` [B, H, T].
+- dq: one program per (query block, batch, head); recomputes p from lse.
+- dkv: one program per (key block, batch, kv head); loops over the query heads of its GQA group
+  and over query blocks, so dk, dv of a kv head are summed in registers, never in memory.
+Causal skipping lives in the loop bounds: every loop runs over the blocks a tile can see, split in
+a range that needs no mask (all pairs visible) and a range that is masked.
+
+Inputs arrive padded (pallas_gpu.py) so T and S are multiples of every block size; `kv_len` is
+the true S and keys at or past it are masked where they could reach an output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from gla_tpu.ops.common.masks import attention_visibility
+
+LOG2E = math.log2(math.e)
+_HIGHEST = lax.Precision.HIGHEST  # IEEE float32 products for float32 inputs; no effect on 16-bit
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static facts every kernel needs (hashable: a custom_vjp non-differentiable argument)."""
+
+    q_len: int  # true T
+    kv_len: int  # true S
+    padded_q: int  # T rounded up to the largest query block
+    padded_kv: int  # S rounded up to the largest key block
+    group: int  # H // Hkv
+    causal: bool
+    offset: int  # bottom-right causal shift, S - T
+    sm_scale: float
+    has_segments: bool
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):
+    """a @ b.T without materializing the transpose."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _cdiv_nonneg(x, d: int):
+    return lax.div(jnp.maximum(x, 0) + (d - 1), d)
+
+
+def _div_nonneg(x, d: int):
+    return lax.div(jnp.maximum(x, 0), d)
+
+
+def _mask(geo: Geometry, q_pos, k_pos, q_seg, k_seg, *, check_len: bool):
+    """Visibility of broadcastable positions (rank 2 each); None when everything is visible."""
+    mask = None
+    if geo.causal or q_seg is not None:
+        mask = attention_visibility(q_pos, k_pos, causal=geo.causal, offset=geo.offset,
+                                    q_seg=q_seg, kv_seg=k_seg)
+    if check_len:
+        in_range = k_pos < geo.kv_len
+        mask = in_range if mask is None else jnp.logical_and(mask, in_range)
+    return mask
+
+
+def _kv_blocks_for_query_tile(geo: Geometry, q_start, block_q: int, block_kv: int):
+    """(full, hi): key blocks [0, full) are visible to every query of the tile, [full, hi) partly."""
+    n_kv = geo.padded_kv // block_kv
+    n_unpadded = geo.kv_len // block_kv
+    if geo.causal:
+        # the tile's last query sees keys j <= q_start + block_q - 1 + offset
+        hi = jnp.minimum(_cdiv_nonneg(q_start + block_q + geo.offset, block_kv), n_kv)
+        # a block is fully visible when its last key <= the tile's first query + offset
+        full = jnp.minimum(_div_nonneg(q_start + geo.offset + 1, block_kv), n_unpadded)
+    else:
+        hi = jnp.int32(n_kv)
+        full = jnp.int32(n_unpadded)
+    if geo.has_segments:
+        full = jnp.int32(0)
+    return jnp.minimum(full, hi), hi
+
+
+def _q_blocks_for_key_tile(geo: Geometry, k_start, block_kv: int, block_q: int):
+    """(lo, full): query blocks [lo, full) see the key tile partly, [full, n_q) entirely."""
+    n_q = geo.padded_q // block_q
+    if geo.causal:
+        # the first query that sees key k_start is i = k_start - offset
+        lo = jnp.minimum(_div_nonneg(k_start - geo.offset, block_q), n_q)
+        full = jnp.minimum(_cdiv_nonneg(k_start + block_kv - 1 - geo.offset, block_q), n_q)
+    else:
+        lo = jnp.int32(0)
+        full = jnp.int32(0)
+    if geo.has_segments:
+        full = jnp.int32(n_q)
+    return lo, jnp.maximum(full, lo)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, geo: Geometry,
+                    block_q: int, block_kv: int):
+    q_start = pl.program_id(0) * block_q
+    q = q_ref[...]  # [block_q, D]
+    q_pos = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]  # [block_q, 1]
+    q_seg = qseg_ref[...][:, None] if geo.has_segments else None
+    scale2 = geo.sm_scale * LOG2E
+    check_len = geo.kv_len != geo.padded_kv
+
+    def body(masked, kb, carry):
+        acc, m, l = carry  # [block_q, D], [block_q], [block_q]
+        kv_slice = pl.ds(kb * block_kv, block_kv)
+        k = k_ref[kv_slice, :]
+        s = _dot_t(q, k) * scale2  # [block_q, block_kv], base-2 logits
+        if masked:
+            k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
+            k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
+            vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
+            s = s if vis is None else jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # a row that has seen no key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        v = v_ref[kv_slice, :]
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    full, hi = _kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
+    carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    carry = lax.fori_loop(0, full, functools.partial(body, False), carry)
+    acc, m, l = lax.fori_loop(full, hi, functools.partial(body, True), carry)
+    seen = l > 0.0
+    o = acc / jnp.where(seen, l, 1.0)[:, None]
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), 0.0)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               geo: Geometry, block_q: int, block_kv: int):
+    q_start = pl.program_id(0) * block_q
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...][:, None]  # [block_q, 1]
+    delta = delta_ref[...][:, None]
+    q_pos = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+    q_seg = qseg_ref[...][:, None] if geo.has_segments else None
+    scale2 = geo.sm_scale * LOG2E
+    check_len = geo.kv_len != geo.padded_kv
+
+    def body(masked, kb, dq):
+        kv_slice = pl.ds(kb * block_kv, block_kv)
+        k = k_ref[kv_slice, :]
+        v = v_ref[kv_slice, :]
+        p = jnp.exp2(_dot_t(q, k) * scale2 - lse)  # [block_q, block_kv]
+        if masked:
+            k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
+            k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
+            vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
+            p = p if vis is None else jnp.where(vis, p, 0.0)
+        ds = p * (_dot_t(do, v) - delta)
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    full, hi = _kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = lax.fori_loop(0, full, functools.partial(body, False), dq)
+    dq = lax.fori_loop(full, hi, functools.partial(body, True), dq)
+    dq_ref[...] = (dq * geo.sm_scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, *, geo: Geometry, block_q: int, block_kv: int):
+    k_start = pl.program_id(0) * block_kv
+    k = k_ref[...]  # [block_kv, D]
+    v = v_ref[...]
+    k_pos = (k_start + jnp.arange(block_kv, dtype=jnp.int32))[:, None]  # [block_kv, 1]
+    k_seg = kseg_ref[...][:, None] if geo.has_segments else None
+    scale2 = geo.sm_scale * LOG2E
+    n_q = geo.padded_q // block_q
+
+    def body(masked, g, qb, carry):
+        dk, dv = carry
+        q_slice = pl.ds(qb * block_q, block_q)
+        q = q_ref[q_slice, g, :]  # [block_q, D]
+        do = do_ref[q_slice, g, :]
+        lse = lse_ref[g, q_slice][None, :]  # [1, block_q]
+        delta = delta_ref[g, q_slice][None, :]
+        pt = jnp.exp2(_dot_t(k, q) * scale2 - lse)  # [block_kv, block_q]
+        if masked:
+            q_pos = (qb * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]
+            q_seg = qseg_ref[q_slice][None, :] if geo.has_segments else None
+            # keys past kv_len only produce rows of dk, dv that are sliced away: no length check
+            vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
+            pt = pt if vis is None else jnp.where(vis, pt, 0.0)
+        dv = dv + _dot(pt.astype(do.dtype), do)
+        dst = pt * (_dot_t(v, do) - delta)
+        dk = dk + _dot(dst.astype(q.dtype), q)
+        return dk, dv
+
+    lo, full = _q_blocks_for_key_tile(geo, k_start, block_kv, block_q)
+    carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for g in range(geo.group):
+        carry = lax.fori_loop(lo, full, functools.partial(body, True, g), carry)
+        carry = lax.fori_loop(full, n_q, functools.partial(body, False, g), carry)
+    dk, dv = carry
+    dk_ref[...] = (dk * geo.sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _seg_specs(geo: Geometry, q_block, kv_block):
+    """BlockSpecs of the [B, T] / [B, S] segment ids (None entries when there are none)."""
+    if not geo.has_segments:
+        return None, None
+    return q_block, kv_block
+
+
+def forward(q, k, v, q_seg, kv_seg, *, geo: Geometry, block_q: int, block_kv: int,
+            num_warps: int, num_stages: int, interpret):
+    """q [B, Tp, H, D], k/v [B, Sp, Hkv, D] -> (o [B, Tp, H, D], lse [B, H, Tp] float32)."""
+    b, tp, h, d = q.shape
+    sp = k.shape[1]
+    group = geo.group
+    grid = (tp // block_q, b, h)  # (query block, batch, head): all parallel
+    q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
+    kv_spec = pl.BlockSpec((None, sp, None, d), lambda i, bi, hi: (bi, 0, hi // group, 0))
+    qs_spec, ks_spec = _seg_specs(
+        geo, pl.BlockSpec((None, block_q), lambda i, bi, hi: (bi, i)),
+        pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)))
+    kernel = functools.partial(_forward_kernel, geo=geo, block_q=block_q, block_kv=block_kv)
+    with jax.named_scope(f"flash_fwd_block_q={block_q}_block_kv={block_kv}"):
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=[q_spec, kv_spec, kv_spec, qs_spec, ks_spec],
+            out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))],
+            out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                       jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
+            compiler_params=_params(num_warps, num_stages),
+            interpret=interpret,
+            name="flash_attention_fwd",
+        )(q, k, v, q_seg, kv_seg)
+
+
+def backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block_q: int,
+                block_kv: int, num_warps: int, num_stages: int, interpret):
+    """-> dq [B, Tp, H, D] in q's dtype."""
+    b, tp, h, d = q.shape
+    sp = k.shape[1]
+    group = geo.group
+    grid = (tp // block_q, b, h)
+    q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
+    kv_spec = pl.BlockSpec((None, sp, None, d), lambda i, bi, hi: (bi, 0, hi // group, 0))
+    row_spec = pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))
+    qs_spec, ks_spec = _seg_specs(
+        geo, pl.BlockSpec((None, block_q), lambda i, bi, hi: (bi, i)),
+        pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)))
+    kernel = functools.partial(_dq_kernel, geo=geo, block_q=block_q, block_kv=block_kv)
+    with jax.named_scope(f"flash_dq_block_q={block_q}_block_kv={block_kv}"):
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=[q_spec, kv_spec, kv_spec, qs_spec, ks_spec, q_spec, row_spec, row_spec],
+            out_specs=q_spec,
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=_params(num_warps, num_stages),
+            interpret=interpret,
+            name="flash_attention_dq",
+        )(q, k, v, q_seg, kv_seg, do, lse, delta)
+
+
+def backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block_q: int,
+                 block_kv: int, num_warps: int, num_stages: int, interpret):
+    """-> (dk, dv) [B, Sp, Hkv, D] in k's dtype, summed over each kv head's query group."""
+    b, tp, h, d = q.shape
+    sp, hkv = k.shape[1], k.shape[2]
+    group = geo.group
+    grid = (sp // block_kv, b, hkv)  # (key block, batch, kv head): all parallel
+    kv_spec = pl.BlockSpec((None, block_kv, None, d), lambda j, bi, hi: (bi, j, hi, 0))
+    # every query head of the group, whole (padded) time axis: [Tp, group, D]
+    q_spec = pl.BlockSpec((None, tp, group, d), lambda j, bi, hi: (bi, 0, hi, 0))
+    row_spec = pl.BlockSpec((None, group, tp), lambda j, bi, hi: (bi, hi, 0))
+    qs_spec, ks_spec = _seg_specs(
+        geo, pl.BlockSpec((None, tp), lambda j, bi, hi: (bi, 0)),
+        pl.BlockSpec((None, block_kv), lambda j, bi, hi: (bi, j)))
+    kernel = functools.partial(_dkv_kernel, geo=geo, block_q=block_q, block_kv=block_kv)
+    with jax.named_scope(f"flash_dkv_block_q={block_q}_block_kv={block_kv}"):
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=[q_spec, kv_spec, kv_spec, qs_spec, ks_spec, q_spec, row_spec, row_spec],
+            out_specs=[kv_spec, kv_spec],
+            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                       jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            compiler_params=_params(num_warps, num_stages),
+            interpret=interpret,
+            name="flash_attention_dkv",
+        )(q, k, v, q_seg, kv_seg, do, lse, delta)
