@@ -301,6 +301,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
         dq_ref[...] = (dq_sc[...] * cfg.sm_scale).astype(dq_ref.dtype)
 
 
+def _backward_in_specs(bq: int, bkv: int, d: int, q_map, kv_map, row_map):
+    """BlockSpecs of the backward kernels' inputs q, k, v, do, lse, di; the grids differ (q-major
+    for dq, kv-major for dk/dv), the blocks do not."""
+    return [
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+        pl.BlockSpec((None, None, bkv, d), kv_map),
+        pl.BlockSpec((None, None, bq, d), q_map),
+        pl.BlockSpec((None, None, 1, bq), row_map),
+        pl.BlockSpec((None, None, 1, bq), row_map),
+    ]
+
+
 def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
     """dq [B, H, Tp, D] in q's dtype; lse, di [B, H, 1, Tp] float32."""
     b, h, tp, d = q.shape
@@ -311,14 +324,7 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
     def row_map(bi, hi, i, j):
         return bi, hi, 0, i
 
-    in_specs = [
-        pl.BlockSpec((None, None, bq, d), q_map),
-        pl.BlockSpec((None, None, bkv, d), kv_map),
-        pl.BlockSpec((None, None, bkv, d), kv_map),
-        pl.BlockSpec((None, None, bq, d), q_map),
-        pl.BlockSpec((None, None, 1, bq), row_map),
-        pl.BlockSpec((None, None, 1, bq), row_map),
-    ]
+    in_specs = _backward_in_specs(bq, bkv, d, q_map, kv_map, row_map)
     args = [q, k, v, do, lse, di]
     if cfg.has_segments:
         in_specs += seg_specs
@@ -414,14 +420,7 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
     def kv_map(bi, ni, j, gi, i):
         return bi, ni, j, 0
 
-    in_specs = [
-        pl.BlockSpec((None, None, bq, d), q_map),
-        pl.BlockSpec((None, None, bkv, d), kv_map),
-        pl.BlockSpec((None, None, bkv, d), kv_map),
-        pl.BlockSpec((None, None, bq, d), q_map),
-        pl.BlockSpec((None, None, 1, bq), row_map),
-        pl.BlockSpec((None, None, 1, bq), row_map),
-    ]
+    in_specs = _backward_in_specs(bq, bkv, d, q_map, kv_map, row_map)
     args = [q, k, v, do, lse, di]
     if cfg.has_segments:
         in_specs += [
