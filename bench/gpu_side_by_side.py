@@ -305,7 +305,6 @@ def bench_decode(ctx, b=64, h=16, kd=128, vd=128):
 def bench_gla_breakdown(ctx, b=4, t=4096, h=16, kd=128, vd=128):
     """Times each kernel of our chunked GLA alone (forward: state pass, intra scores, output;
     backward: reversed state pass, dq/dk/dg, dv), to show where the time goes."""
-    from gla_tpu.ops.common.gating import chunk_local_cumsum
     from gla_tpu.ops.gla import pallas_gpu
     from gla_tpu.ops.gla import pallas_gpu_kernels as kern
 
@@ -316,31 +315,34 @@ def bench_gla_breakdown(ctx, b=4, t=4096, h=16, kd=128, vd=128):
                              block_v=pallas_gpu.BLOCK, key_dim=kd, value_dim=vd,
                              num_chunks=t // pallas_gpu.CHUNK, scale=kd**-0.5,
                              has_segments=False)
-    bsum = jax.jit(lambda g: chunk_local_cumsum(g, geo.chunk))(jnp.asarray(g))
+    bsum = jax.jit(lambda g: pallas_gpu.chunk_cumsum(g, geo.chunk))(jnp.asarray(g))
     states, _ = jax.jit(lambda k, v, b: kern.state_pass(
         k, v, b, None, None, None, geo=geo, reverse=False, interpret=False))(jk, jv, bsum)
-    a = jax.jit(lambda q, k, b: kern.intra_scores(q, k, b, None, geo=geo, interpret=False))(
-        jq, jk, bsum)
+    bounded = jax.jit(lambda b: kern.bounded_chunks(b, geo.chunk))(bsum)
+    a = jax.jit(lambda q, k, b, f: kern.intra_scores(q, k, b, None, f, geo=geo,
+                                                     interpret=False))(jq, jk, bsum, bounded)
     do = jv
     dfinal = states[:, :, -1]
     dstates, _ = jax.jit(lambda q, do, b, s: kern.state_pass(
         q, do, b, None, None, s, geo=geo, reverse=True, interpret=False))(jq, do, bsum, dfinal)
     stages = {
-        "gate_cumsum": (lambda g: chunk_local_cumsum(g, geo.chunk), (jnp.asarray(g),)),
+        "gate_cumsum": (lambda g: pallas_gpu.chunk_cumsum(g, geo.chunk), (jnp.asarray(g),)),
         "state_pass_fwd": (lambda k, v, b: kern.state_pass(k, v, b, None, None, None, geo=geo,
                                                             reverse=False, interpret=False),
                            (jk, jv, bsum)),
-        "intra_scores": (lambda q, k, b: kern.intra_scores(q, k, b, None, geo=geo,
-                                                           interpret=False), (jq, jk, bsum)),
+        "bounded_flags": (lambda b: kern.bounded_chunks(b, geo.chunk), (bsum,)),
+        "intra_scores": (lambda q, k, b, f: kern.intra_scores(q, k, b, None, f, geo=geo,
+                                                              interpret=False),
+                         (jq, jk, bsum, bounded)),
         "chunk_output": (lambda q, b, a, v, s: kern.chunk_output(q, b, None, a, v, s, geo=geo,
                                                                  interpret=False),
                          (jq, bsum, a, jv, states)),
         "state_pass_rev": (lambda q, do, b, s: kern.state_pass(q, do, b, None, None, s, geo=geo,
                                                                 reverse=True, interpret=False),
                            (jq, do, bsum, dfinal)),
-        "chunk_dqk": (lambda q, k, v, do, b, s, ds: kern.chunk_dqk(
-            q, k, v, do, b, None, None, None, None, s, ds, geo=geo, interpret=False),
-            (jq, jk, jv, do, bsum, states, dstates)),
+        "chunk_dqk": (lambda q, k, v, do, b, s, ds, f: kern.chunk_dqk(
+            q, k, v, do, b, None, None, None, None, s, ds, f, geo=geo, interpret=False),
+            (jq, jk, jv, do, bsum, states, dstates, bounded)),
         "chunk_dv": (lambda k, b, a, do, ds: kern.chunk_dv(k, b, None, a, do, ds, geo=geo,
                                                            interpret=False),
                      (jk, bsum, a, do, dstates)),

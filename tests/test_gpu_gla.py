@@ -9,7 +9,9 @@ import pytest
 
 from gla_tpu import ops
 from gla_tpu.testing.parity import check_gla_parity
-from gla_tpu.testing.problems import GLACase
+from gla_tpu.ops.common.gating import chunk_local_cumsum, pad_time
+from gla_tpu.ops.gla import pallas_gpu_kernels as kernels
+from gla_tpu.testing.problems import GLACase, make_gla_inputs
 from gla_tpu.ops.attention.pallas_gpu_target import hopper_target
 
 # jax 0.11.2 deprecates the Pallas Triton lowering (docs/gpu_backend.md says why we still use it);
@@ -23,6 +25,39 @@ def test_interpret_parity():
                    gate_strength=0.1)
     check_gla_parity(case, jax.random.key(1), dtype=jnp.float32, backend="pallas_gpu",
                      interpret=True)
+
+
+# Inputs that send the chunks down each path of the intra-chunk products (pallas_gpu_kernels.py):
+# gate strength 4 keeps every chunk bounded (one product per chunk), 0.1 none (sub-chunks and
+# elementwise diagonal blocks); strength 1 at T=200 mixes both: the full chunks decay past the
+# bound, the last one (8 tokens and padding) does not (checked below).
+PATH_CASES = [(4.0, jnp.float32), (1.0, jnp.float32), (4.0, jnp.bfloat16), (0.1, jnp.bfloat16),
+              (1.0, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("gate_strength,dtype", PATH_CASES)
+def test_interpret_parity_both_paths(gate_strength, dtype):
+    case = GLACase(1, 200, 2, 64, 64, gate="key", initial_state=True, segments=True,
+                   gate_strength=gate_strength)
+    check_gla_parity(case, jax.random.key(5), dtype=dtype, backend="pallas_gpu",
+                     interpret=True)
+
+
+@pytest.mark.parametrize("gate_strength,expected", [(4.0, "all"), (1.0, "mixed"), (0.1, "none")])
+def test_gate_strengths_reach_the_paths(gate_strength, expected):
+    case = GLACase(1, 200, 2, 64, 64, gate="key", gate_strength=gate_strength)
+    g = pad_time(make_gla_inputs(case, jax.random.key(5))["g"], 64)
+    flags = kernels.bounded_chunks(chunk_local_cumsum(g, 64), 64)  # [1, 2, 4]
+    by_chunk = {"all": [1, 1, 1, 1], "mixed": [0, 0, 0, 1], "none": [0, 0, 0, 0]}[expected]
+    assert flags[0].tolist() == [by_chunk] * 2
+
+
+@pytest.mark.parametrize("seq_len,gate", [(1, "key"), (3, "head"), (16, "none")])
+def test_interpret_parity_few_tokens(seq_len, gate):
+    # T <= 16 without segments: the token-by-token forward, the chunked backward
+    case = GLACase(2, seq_len, 2, 64, 128, gate=gate, initial_state=True)
+    check_gla_parity(case, jax.random.key(6), dtype=jnp.float32, mode="fused_recurrent",
+                     backend="pallas_gpu", interpret=True)
 
 
 @pytest.mark.parametrize("key_dim,value_dim,segments", [(128, 128, False), (64, 512, True)])
@@ -79,7 +114,8 @@ def test_gpu_parity_other_modes_f32(mode):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_one_token():
-    case = GLACase(4, 1, 2, 128, 128, gate="key", initial_state=True)
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_gpu_decode_few_tokens(seq_len):
+    case = GLACase(4, seq_len, 2, 128, 128, gate="key", initial_state=True)
     check_gla_parity(case, jax.random.key(4), dtype=jnp.bfloat16, mode="fused_recurrent",
                      backend="pallas_gpu")

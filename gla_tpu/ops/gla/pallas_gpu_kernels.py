@@ -15,7 +15,7 @@ Kernels:
 - `chunk_output`: o = scale (A v + (q exp(b) reach) h_n).
 - `chunk_dqk`: dq, dk (float32) of a chunk and K block, intra and inter parts.
 - `chunk_dv`: dv = scale A^T do + (k exp(B - b) last) dh_{n+1}.
-Every exponent is of a non-positive difference of b (secondary chunking on the diagonal).
+The intra-chunk products take one of two paths per chunk (section "Intra-chunk products").
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class ChunkGeometry:
     scale: float
     has_segments: bool
     num_warps: int = 4
+    num_warps_dqk: int = 8
     num_stages: int = 2
 
 
@@ -72,6 +73,12 @@ def _t_dot_f32(a, b, input_dtype):
     return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
                            (((0,), (0,)), ((), ())), precision=_accurate_precision(input_dtype),
                            preferred_element_type=jnp.float32)
+
+
+def _dot_f32(a, b, input_dtype):
+    """a @ b of float32 operands to the accuracy _accurate_precision gives."""
+    return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                   precision=_accurate_precision(input_dtype), preferred_element_type=jnp.float32)
 
 
 def _dot_t_f32(a, b, input_dtype):
@@ -178,65 +185,185 @@ def state_pass(x, y, b, w, keep, init, *, geo: ChunkGeometry, reverse: bool, int
         )(x, y, b, w, keep, init)
 
 
-# Intra-chunk scores.
+# Intra-chunk products: two paths, chosen per chunk at run time.
+#
+# Bounded chunks (the chunk decays by at most BOUND in every key channel, the common case): one
+# reference for the whole chunk, b_0 = b at its first token, and one product on the matrix units:
+#   A = (q exp(b - b_0)) (k exp(b_0 - b))^T,  dq = exp(b - b_0) (dA (k exp(b_0 - b))),
+#   dk = exp(b_0 - b) (dA^T (q exp(b - b_0))),
+# every factor in [exp(-BOUND), exp(BOUND)], far from float32 and bfloat16 overflow (the masked
+# pairs reach exp(BOUND) |q| |k| at most); each product term keeps its relative rounding.
+# Other chunks (any gates): secondary chunking in sub-chunks of SUB tokens. Pairs in different
+# sub-chunks factor through a reference inside the chunk with every exponent <= 0 (matrix
+# units); the diagonal sub-chunk blocks are summed elementwise, every exponent b_later - b_earlier.
+BOUND = 40.0
 
 
-def _row_block_scores(q_ref, k_ref, b_ref, i: int, ks, geo: ChunkGeometry):
-    """Gated scores of query sub-chunk i against every key of the chunk, one K block:
-    [SUB, C] float32, exact where key <= query (garbage above the diagonal, masked by callers)."""
-    c = geo.chunk
-    rows = pl.ds(i * SUB, SUB)
-    q = q_ref[rows, ks].astype(jnp.float32)  # [SUB, BK]
-    bq = b_ref[rows, ks]
-    ref = b_ref[pl.ds(i * SUB, 1), ks]  # [1, BK]: b at the sub-chunk's first token
-    before = jnp.arange(c, dtype=jnp.int32)[:, None] < i * SUB  # [C, 1]: keys of earlier sub-chunks
-    k_all = k_ref[:, ks].astype(jnp.float32)  # [C, BK]
-    b_all = b_ref[:, ks]
-    k_rel = jnp.where(before, k_all * jnp.exp(jnp.where(before, ref - b_all, 0.0)), 0.0)
-    q_rel = q * jnp.exp(bq - ref)
-    dt = q_ref.dtype
-    s = _dot_t(q_rel.astype(dt), k_rel.astype(dt))  # [SUB, C]
-    cols = jnp.arange(c, dtype=jnp.int32)[None, :]
-    below = jnp.arange(SUB, dtype=jnp.int32)[:, None]
+def bounded_chunks(b, chunk: int):
+    """b [B, Tp, H, K] chunk-local running sum of the log gate -> [B, H, N] int32: 1 where the
+    chunk decays by at most BOUND in every key channel (b_first - b_last <= BOUND)."""
+    bsz, tp, h, kd = b.shape
+    bc = b.reshape(bsz, tp // chunk, chunk, h, kd)
+    span = jnp.max(bc[:, :, 0] - bc[:, :, -1], axis=-1)  # [B, N, H]
+    return (span <= BOUND).astype(jnp.int32).transpose(0, 2, 1)
+
+
+def _token_ids(c: int):
+    """Row ([C, 1]) and column ([1, C]) token indices of a chunk."""
+    return jnp.arange(c, dtype=jnp.int32)[:, None], jnp.arange(c, dtype=jnp.int32)[None, :]
+
+
+def _in_sub(tok, i: int):
+    return jnp.logical_and(tok >= i * SUB, tok < (i + 1) * SUB)
+
+
+def _per_sub_rows(ref, offset: int, ks, c: int):
+    """[C, BK]: row r holds ref's row (first token of r's sub-chunk) + offset."""
+    tok, _ = _token_ids(c)
+    out = ref[pl.ds(offset, 1), ks]
+    for i in range(1, c // SUB):
+        out = jnp.where(tok >= i * SUB, ref[pl.ds(i * SUB + offset, 1), ks], out)
+    return out
+
+
+def _chunk_factors(b, b_ref, ks):
+    """(exp(b - b_0), exp(b_0 - b)) [C, BK] for a bounded chunk."""
+    rel = b - b_ref[pl.ds(0, 1), ks]
+    return jnp.exp(rel), jnp.exp(-rel)
+
+
+def _earlier_keys(x, b, b_ref, ks, i: int):
+    """x exp(b_I0 - b) for the tokens of sub-chunks before i, zero from sub-chunk i on (b_I0: b at
+    sub-chunk i's first token, every exponent <= 0)."""
+    tok, _ = _token_ids(b.shape[0])
+    anchor = b_ref[pl.ds(i * SUB, 1), ks]  # [1, BK]
+    visible = tok < i * SUB
+    return jnp.where(visible, x * jnp.exp(jnp.where(visible, anchor - b, 0.0)), 0.0)
+
+
+def _sub_chunk_scores(q, k, b, b_ref, ks, dt):
+    """sum_K q_rk k_xk exp(b_rk - b_xk) for key x in an earlier sub-chunk than query r, each
+    query sub-chunk I referenced to b_I0: [C, C] float32, zero elsewhere."""
+    c = q.shape[0]
+    tok, _ = _token_ids(c)
+    q_rel = q * jnp.exp(b - _per_sub_rows(b_ref, 0, ks, c))  # exponent <= 0
+    out = jnp.zeros((c, c), jnp.float32)
+    for i in range(1, c // SUB):
+        rows = jnp.where(_in_sub(tok, i), q_rel, 0.0).astype(dt)
+        out = out + _dot_t(rows, _earlier_keys(k, b, b_ref, ks, i).astype(dt))
+    return out
+
+
+def _sub_chunk_dq(da, k, b, b_ref, ks, dt):
+    """dq_r = sum_x dA_rx k_x exp(b_r - b_x) over keys x of earlier sub-chunks: [C, BK]."""
+    c = k.shape[0]
+    tok, _ = _token_ids(c)
+    out = jnp.zeros(k.shape, jnp.float32)
+    for i in range(1, c // SUB):
+        prod = _dot_f32(da, _earlier_keys(k, b, b_ref, ks, i), dt)
+        out = out + jnp.where(_in_sub(tok, i), prod, 0.0)
+    return out * jnp.exp(b - _per_sub_rows(b_ref, 0, ks, c))
+
+
+def _sub_chunk_dk(da, q, b, b_ref, ks, dt):
+    """dk_x = sum_r dA_rx q_r exp(b_r - b_x) over queries r of later sub-chunks, referenced to
+    b_J1 = b at the last token of x's sub-chunk J (both exponents <= 0): [C, BK]."""
+    c = q.shape[0]
+    tok, _ = _token_ids(c)
+    out = jnp.zeros(q.shape, jnp.float32)
+    for j in range(c // SUB - 1):
+        anchor = b_ref[pl.ds(j * SUB + SUB - 1, 1), ks]
+        later = tok >= (j + 1) * SUB
+        rel = jnp.where(later, q * jnp.exp(jnp.where(later, b - anchor, 0.0)), 0.0)
+        out = out + jnp.where(_in_sub(tok, j), _t_dot_f32(da, rel, dt), 0.0)
+    return out * jnp.exp(_per_sub_rows(b_ref, SUB - 1, ks, c) - b)
+
+
+def _exact_diagonal(x_ref, b_ref, b, ks, weights, *, keys: bool):
+    """The diagonal sub-chunk blocks of dq (keys=False) or dk (keys=True) elementwise, for any
+    gates: one step per position j in the sub-chunk, all sub-chunks at once, every exponent
+    b_later - b_earlier <= 0. weights [C, C] is dA (query r, key x), masked.
+    dq_r = sum_{x in r's sub-chunk, x <= r} dA_rx k_x exp(b_r - b_x)      (x_ref = k)
+    dk_x = sum_{r in x's sub-chunk, r >= x} dA_rx q_r exp(b_r - b_x)      (x_ref = q)
+    """
+    c = b.shape[0]
+    tok, col = _token_ids(c)
+    pos = tok % SUB
+    base_row, base_col = tok - pos, col - col % SUB
+    out = jnp.zeros(b.shape, jnp.float32)
     for j in range(SUB):
-        kj = k_ref[pl.ds(i * SUB + j, 1), ks].astype(jnp.float32)  # [1, BK]
-        bj = b_ref[pl.ds(i * SUB + j, 1), ks]
-        term = q * kj * jnp.exp(jnp.where(below >= j, bq - bj, 0.0))
-        s = s + jnp.where(cols == i * SUB + j, jnp.sum(term, axis=1)[:, None], 0.0)
-    return s
+        other = _per_sub_rows(x_ref, j, ks, c).astype(jnp.float32)  # token base + j, per row
+        b_other = _per_sub_rows(b_ref, j, ks, c)
+        if keys:  # rows are keys x, `other` the query base(x) + j >= x
+            w = jnp.sum(jnp.where(tok == base_col + j, weights, 0.0), axis=0)[:, None]
+            decay = jnp.exp(jnp.where(pos <= j, b_other - b, 0.0))
+        else:  # rows are queries r, `other` the key base(r) + j <= r
+            w = jnp.sum(jnp.where(col == base_row + j, weights, 0.0), axis=1)[:, None]
+            decay = jnp.exp(jnp.where(pos >= j, b - b_other, 0.0))
+        out = out + w * other * decay
+    return out
 
 
-def _intra_kernel(q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGeometry):
-    n_sub = geo.chunk // SUB
-    for i in range(n_sub):
-        def over_k(kb, acc, i=i):
-            ks = pl.ds(kb * geo.block_k, geo.block_k)
-            return acc + _row_block_scores(q_ref, k_ref, b_ref, i, ks, geo)
+def _exact_diagonal_scores(q, b, k_ref, b_ref, ks):
+    """[C, C]: the diagonal sub-chunk blocks of the scores, elementwise (any gates)."""
+    c = q.shape[0]
+    tok, col = _token_ids(c)
+    pos = tok % SUB
+    out = jnp.zeros((c, c), jnp.float32)
+    for j in range(SUB):
+        k_j = _per_sub_rows(k_ref, j, ks, c).astype(jnp.float32)
+        b_j = _per_sub_rows(b_ref, j, ks, c)
+        s = jnp.sum(q * k_j * jnp.exp(jnp.where(pos >= j, b - b_j, 0.0)), axis=1)[:, None]
+        out = jnp.where(col == tok - pos + j, s, out)
+    return out
 
-        s = lax.fori_loop(0, geo.key_dim // geo.block_k, over_k,
-                          jnp.zeros((SUB, geo.chunk), jnp.float32))
-        mask = _intra_mask(geo, seg_ref, SUB, i * SUB)
-        a_ref[pl.ds(i * SUB, SUB), :] = jnp.where(mask, s, 0.0)
+
+def _read_flag(flag_ref):
+    return jnp.max(flag_ref[...]) > 0
 
 
-def intra_scores(q, k, b, seg, *, geo: ChunkGeometry, interpret):
-    """-> A [B, H, Tp, C] float32: per chunk the masked, unscaled intra-chunk scores."""
+def _intra_kernel(flag_ref, q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGeometry):
+    c, bk = geo.chunk, geo.block_k
+    dt = q_ref.dtype
+
+    def scores(bounded: bool):
+        def over_k(kb, acc):
+            ks = pl.ds(kb * bk, bk)
+            q = q_ref[:, ks].astype(jnp.float32)  # [C, BK]
+            k = k_ref[:, ks].astype(jnp.float32)
+            b = b_ref[:, ks]
+            if bounded:
+                to_ref, from_ref = _chunk_factors(b, b_ref, ks)
+                return acc + _dot_t((q * to_ref).astype(dt), (k * from_ref).astype(dt))
+            return (acc + _sub_chunk_scores(q, k, b, b_ref, ks, dt)
+                    + _exact_diagonal_scores(q, b, k_ref, b_ref, ks))
+
+        return lax.fori_loop(0, geo.key_dim // bk, over_k, jnp.zeros((c, c), jnp.float32))
+
+    s = lax.cond(_read_flag(flag_ref), lambda: scores(True), lambda: scores(False))
+    a_ref[...] = jnp.where(_intra_mask(geo, seg_ref, c, 0), s, 0.0)
+
+
+def intra_scores(q, k, b, seg, bounded, *, geo: ChunkGeometry, interpret):
+    """-> A [B, H, Tp, C] float32: per chunk the masked, unscaled intra-chunk scores.
+    `bounded` [B, H, N] int32 from bounded_chunks."""
     bsz, tp, h, kd = q.shape
     c = geo.chunk
     grid = (bsz, h, geo.num_chunks)
     tok_spec = pl.BlockSpec((None, c, None, kd), lambda bi, hi, n: (bi, n, hi, 0))
     seg_spec = None if seg is None else pl.BlockSpec((None, c), lambda bi, hi, n: (bi, n))
+    flag_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, n: (bi, hi, n))
     with jax.named_scope(f"gla_intra_scores_chunk={c}"):
         return pl.pallas_call(
             functools.partial(_intra_kernel, geo=geo),
             grid=grid,
-            in_specs=[tok_spec, tok_spec, tok_spec, seg_spec],
+            in_specs=[flag_spec, tok_spec, tok_spec, tok_spec, seg_spec],
             out_specs=pl.BlockSpec((None, None, c, c), lambda bi, hi, n: (bi, hi, n, 0)),
             out_shape=jax.ShapeDtypeStruct((bsz, h, tp, c), jnp.float32),
             compiler_params=_params(geo),
             interpret=interpret,
             name="gla_intra_scores",
-        )(q, k, b, seg)
+        )(bounded, q, k, b, seg)
 
 
 # Output.
@@ -299,93 +426,72 @@ def chunk_output(q, b, reach, a, v, states, *, geo: ChunkGeometry, interpret):
 # Backward.
 
 
-def _dqk_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, seg_ref, reach_ref, last_ref, start_ref,
-                h_ref, h_next_ref, dh_ref, dq_ref, dk_ref, dg_ref, *, geo: ChunkGeometry):
+def _dqk_kernel(flag_ref, q_ref, k_ref, v_ref, do_ref, b_ref, seg_ref, reach_ref, last_ref,
+                start_ref, h_ref, h_next_ref, dh_ref, dq_ref, dk_ref, dg_ref, *,
+                geo: ChunkGeometry):
     c, bk, bv = geo.chunk, geo.block_k, geo.block_v
-    n_sub = c // SUB
-    n_v = geo.value_dim // bv
     dt = q_ref.dtype
     ks = pl.ds(0, bk)
-    cols = jnp.arange(c, dtype=jnp.int32)[None, :]
-    below = jnp.arange(SUB, dtype=jnp.int32)[:, None]
-    # dg_t = sum over s >= t in the chunk of (q_s dq_s - k_s dk_s) + sum_v h_{n+1} dh_{n+1}: the
-    # second term carries everything later chunks add, so no sum runs across chunks
+    # Over V blocks: dA = do v^T [C, C], the inter-chunk products do h_n^T and v dh_{n+1}^T
+    # [C, BK], and sum_V h_{n+1} dh_{n+1} [1, BK] (dg's share of everything later chunks add).
+    da = jnp.zeros((c, c), jnp.float32)
+    dq = jnp.zeros((c, bk), jnp.float32)
+    dk = jnp.zeros((c, bk), jnp.float32)
     carry = jnp.zeros((1, bk), jnp.float32)
-    for vb in range(n_v):
+    for vb in range(geo.value_dim // bv):
         vs = pl.ds(vb * bv, bv)
+        do, v = do_ref[:, vs], v_ref[:, vs]  # [C, BV]
+        da = da + _dot_t(do, v)
+        # float32 states: dg below subtracts q dq and k dk, and rounding the states to the
+        # input dtype here left dg 5x the XLA error at K >= 128 in bfloat16
+        dq = dq + _dot_t_f32(do, h_ref[ks, vs], dt)
+        dk = dk + _dot_t_f32(v, dh_ref[ks, vs], dt)
         carry = carry + jnp.sum(h_next_ref[ks, vs] * dh_ref[ks, vs], axis=1)[None, :]
-    upper = (jnp.arange(SUB, dtype=jnp.int32)[None, :] >= below).astype(jnp.float32)
-    for i in reversed(range(n_sub)):
-        rows = pl.ds(i * SUB, SUB)
-        b_rows = b_ref[rows, :]  # [SUB, BK]
-        b_last = b_ref[pl.ds(c - 1, 1), :]
-        # dA[r, x] = scale do_r . v_x (query rows r of sub-chunk i) and dA^T rows (key rows):
-        # [SUB, C] each, with the inter-chunk products of the same rows, over V blocks.
-        da = jnp.zeros((SUB, c), jnp.float32)
-        dat = jnp.zeros((SUB, c), jnp.float32)
-        dq_inter = jnp.zeros((SUB, bk), jnp.float32)
-        dk_inter = jnp.zeros((SUB, bk), jnp.float32)
-        for vb in range(n_v):
-            vs = pl.ds(vb * bv, bv)
-            do_rows = do_ref[rows, vs]  # [SUB, BV]
-            v_rows = v_ref[rows, vs]
-            da = da + _dot_t(do_rows, v_ref[:, vs])
-            dat = dat + _dot_t(v_rows, do_ref[:, vs])
-            # float32 states: dg below subtracts q dq and k dk, and rounding the states to the
-            # input dtype here left dg 5x the XLA error at K >= 128 in bfloat16
-            dq_inter = dq_inter + _dot_t_f32(do_rows, h_ref[ks, vs], dt)
-            dk_inter = dk_inter + _dot_t_f32(v_rows, dh_ref[ks, vs], dt)
-        da = jnp.where(_intra_mask(geo, seg_ref, SUB, i * SUB), da * geo.scale, 0.0)
-        dat = jnp.where(_intra_mask(geo, seg_ref, SUB, i * SUB, transpose=True),
-                        dat * geo.scale, 0.0)
-        q_weight = jnp.exp(b_rows) * geo.scale
-        k_weight = jnp.exp(b_last - b_rows)
-        if reach_ref is not None:
-            q_weight = q_weight * reach_ref[rows][:, None]
-            k_weight = k_weight * last_ref[rows][:, None]
-        dq = dq_inter * q_weight
-        dk = dk_inter * k_weight
+    da = jnp.where(_intra_mask(geo, seg_ref, c, 0), da * geo.scale, 0.0)
+    b = b_ref[...]  # [C, BK]
+    q_weight = jnp.exp(b) * geo.scale
+    k_weight = jnp.exp(b_ref[pl.ds(c - 1, 1), :] - b)
+    if reach_ref is not None:
+        q_weight = q_weight * reach_ref[...][:, None]
+        k_weight = k_weight * last_ref[...][:, None]
+    q = q_ref[...].astype(jnp.float32)
+    k = k_ref[...].astype(jnp.float32)
 
-        b_all = b_ref[:, :]
-        token = jnp.arange(c, dtype=jnp.int32)[:, None]
-        # dq off-diagonal: keys of earlier sub-chunks, referenced to b at this sub-chunk's start
-        ref = b_ref[pl.ds(i * SUB, 1), :]
-        before = token < i * SUB
-        k_rel = jnp.where(before, k_ref[:, :].astype(jnp.float32)
-                          * jnp.exp(jnp.where(before, ref - b_all, 0.0)), 0.0)
-        dq = dq + _dot(da.astype(dt), k_rel.astype(dt)) * jnp.exp(b_rows - ref)
-        # dk off-diagonal: queries of later sub-chunks, referenced to b at this sub-chunk's end
-        end = b_ref[pl.ds(i * SUB + SUB - 1, 1), :]
-        after = token >= (i + 1) * SUB
-        q_rel = jnp.where(after, q_ref[:, :].astype(jnp.float32)
-                          * jnp.exp(jnp.where(after, b_all - end, 0.0)), 0.0)
-        dk = dk + _dot(dat.astype(dt), q_rel.astype(dt)) * jnp.exp(end - b_rows)
-        # diagonal sub-chunk, elementwise: every exponent b_r - b_x with x <= r
-        for j in range(SUB):
-            tok = pl.ds(i * SUB + j, 1)
-            bj = b_ref[tok, :]  # [1, BK]
-            da_col = jnp.sum(jnp.where(cols == i * SUB + j, da, 0.0), axis=1)[:, None]
-            dq = dq + da_col * k_ref[tok, :].astype(jnp.float32) * jnp.exp(
-                jnp.where(below >= j, b_rows - bj, 0.0))
-            dat_col = jnp.sum(jnp.where(cols == i * SUB + j, dat, 0.0), axis=1)[:, None]
-            dk = dk + dat_col * q_ref[tok, :].astype(jnp.float32) * jnp.exp(
-                jnp.where(below <= j, bj - b_rows, 0.0))
-        dq_ref[rows, :] = dq
-        dk_ref[rows, :] = dk
-        x = q_ref[rows, :].astype(jnp.float32) * dq - k_ref[rows, :].astype(jnp.float32) * dk
-        dg = _dot(upper, x) + carry  # [SUB, BK]: reverse running sum within the chunk
-        carry = carry + jnp.sum(x, axis=0)[None, :]
-        if start_ref is not None:
-            # the first token of a later segment: the reset ignores its gate
-            dg = dg * (1.0 - start_ref[rows][:, None])
-        dg_ref[rows, :] = dg
+    # dq and dk go on to dg = reverse running sum of q dq - k dk, where the terms of every key
+    # and query pair cancel except between them: the products keep float32 operands (split
+    # bfloat16 for 16-bit inputs), as bfloat16-rounded ones left dg 3x over the pass rule.
+    def bounded():
+        to_ref, from_ref = _chunk_factors(b, b_ref, ks)
+        return (to_ref * _dot_f32(da, k * from_ref, dt),
+                from_ref * _t_dot_f32(da, q * to_ref, dt))
+
+    def exact():
+        return (_sub_chunk_dq(da, k, b, b_ref, ks, dt)
+                + _exact_diagonal(k_ref, b_ref, b, ks, da, keys=False),
+                _sub_chunk_dk(da, q, b, b_ref, ks, dt)
+                + _exact_diagonal(q_ref, b_ref, b, ks, da, keys=True))
+
+    dq_in, dk_in = lax.cond(_read_flag(flag_ref), bounded, exact)
+    dq = dq * q_weight + dq_in
+    dk = dk * k_weight + dk_in
+    dq_ref[...] = dq
+    dk_ref[...] = dk
+    # dg_t = sum over s >= t in the chunk of (q_s dq_s - k_s dk_s) + sum_V h_{n+1} dh_{n+1}: the
+    # second term carries everything later chunks add, so no sum runs across chunks
+    tok, col = _token_ids(c)
+    upper = (col >= tok).astype(jnp.float32)  # [C, C]: s >= t
+    dg = _dot_f32(upper, q * dq - k * dk, dt) + carry  # upper is exact in bfloat16
+    if start_ref is not None:
+        # the first token of a later segment: the reset ignores its gate
+        dg = dg * (1.0 - start_ref[...][:, None])
+    dg_ref[...] = dg
 
 
-def chunk_dqk(q, k, v, do, b, seg, reach, last, start, states, dstates, *, geo: ChunkGeometry,
-              interpret):
+def chunk_dqk(q, k, v, do, b, seg, reach, last, start, states, dstates, bounded, *,
+              geo: ChunkGeometry, interpret):
     """-> (dq, dk, dg) [B, Tp, H, K] float32; `states` [B, H, N + 1, K, V] from the forward pass,
     `dstates` [B, H, N, K, V] from the reversed one, `start` [B, Tp] 1.0 where a later segment
-    starts (None without segments)."""
+    starts (None without segments), `bounded` [B, H, N] from bounded_chunks."""
     bsz, tp, h, kd = q.shape
     vd = v.shape[-1]
     c, bk = geo.chunk, geo.block_k
@@ -396,19 +502,21 @@ def chunk_dqk(q, k, v, do, b, seg, reach, last, start, states, dstates, *, geo: 
     st_spec = pl.BlockSpec((None, None, None, bk, vd), lambda bi, hi, n, ki: (bi, hi, n, ki, 0))
     next_spec = pl.BlockSpec((None, None, None, bk, vd),
                              lambda bi, hi, n, ki: (bi, hi, n + 1, ki, 0))
+    flag_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, n, ki: (bi, hi, n))
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     with jax.named_scope(f"gla_chunk_dqk_chunk={c}_block_k={bk}"):
         return pl.pallas_call(
             functools.partial(_dqk_kernel, geo=geo),
             grid=grid,
-            in_specs=[tok_k, tok_k, tok_v, tok_v, tok_k, row_spec, row_spec, row_spec, row_spec,
-                      st_spec, next_spec, st_spec],
+            in_specs=[flag_spec, tok_k, tok_k, tok_v, tok_v, tok_k, row_spec, row_spec,
+                      row_spec, row_spec, st_spec, next_spec, st_spec],
             out_specs=[tok_k, tok_k, tok_k],
             out_shape=[out, out, out],
-            compiler_params=_params(geo),
+            compiler_params=plgpu.CompilerParams(num_warps=geo.num_warps_dqk,
+                                                 num_stages=geo.num_stages),
             interpret=interpret,
             name="gla_chunk_dqk",
-        )(q, k, v, do, b, seg, reach, last, start, states, states, dstates)
+        )(bounded, q, k, v, do, b, seg, reach, last, start, states, states, dstates)
 
 
 def _dv_kernel(k_ref, b_ref, last_ref, a_ref, do_ref, dh_ref, dv_ref, *, geo: ChunkGeometry):

@@ -1,0 +1,98 @@
+"""Pallas (Triton lowering) kernel of the GLA recurrence over a few tokens, for decoding on GPU.
+
+Per (batch, head): S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t ([K, V]), o_t = scale q_t S_t.
+One program per (batch, head, V block) holds the float32 state tile [K, BV] in registers across
+the tokens (unrolled for T <= 16, a `fori_loop` beyond). With a single query row the [1, K] x
+[K, BV] products are elementwise multiplies and sums over K (`tl.dot` needs M >= 16); every
+product is float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+DIMS = (64, 128, 256, 512)  # the caller pads K and V to one of these
+TILE_ELEMENTS = 8192  # float32 elements of the state tile [K, BV] (registers of 4 warps)
+NUM_WARPS = 4
+MAX_UNROLL = 16  # tokens unrolled statically; more run in a fori_loop
+
+
+def block_v(key_dim: int, value_dim: int) -> int:
+    """BV: the largest power of two with K * BV <= 8192, at most V (K=64 -> 128, K=128 -> 64,
+    K=256 -> 32, K=512 -> 16)."""
+    return min(value_dim, TILE_ELEMENTS // key_dim)
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, final_ref, *, num_tokens: int,
+            scale: float):
+    # q_ref, k_ref, g_ref [T, K]; v_ref, o_ref [T, BV]; s0_ref, final_ref [K, BV] (f32)
+    if s0_ref is None:
+        s = jnp.zeros(final_ref.shape, jnp.float32)
+    else:
+        s = s0_ref[...]
+
+    def step(t, s):
+        tok = pl.ds(t, 1)
+        q = q_ref[tok, :].astype(jnp.float32)  # [1, K]
+        k = k_ref[tok, :].astype(jnp.float32)  # [1, K]
+        g = g_ref[tok, :]  # [1, K] f32, <= 0
+        v = v_ref[tok, :].astype(jnp.float32)  # [1, BV]
+        s = jnp.exp(g).T * s + k.T * v  # [K, BV]
+        o = jnp.sum(q.T * s, axis=0, keepdims=True) * scale  # [1, BV]
+        o_ref[tok, :] = o.astype(o_ref.dtype)
+        return s
+
+    if num_tokens <= MAX_UNROLL:
+        for t in range(num_tokens):
+            s = step(t, s)
+    else:
+        s = lax.fori_loop(0, num_tokens, step, s)
+    final_ref[...] = s
+
+
+def recurrent_forward(q, k, v, gates, s0, *, scale: float, interpret: bool):
+    """q, k [B, T, H, K]; v [B, T, H, V] (one dtype: bf16, f16 or f32); gates [B, T, H, K] f32 log
+    gates; s0 [B, H, K, V] f32 or None (zeros) -> (o [B, T, H, V] in v's dtype,
+    final [B, H, K, V] f32). K and V must be 64, 128, 256 or 512."""
+    bsz, num_tokens, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    for name, dim in (("K", key_dim), ("V", value_dim)):
+        if dim not in DIMS:
+            raise ValueError(f"recurrent_forward takes {name} in {DIMS} (pad first); "
+                             f"got {name}={dim}")
+    if k.shape != q.shape or gates.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}, "
+                         f"gates {gates.shape}")
+    if s0 is not None and s0.shape != (bsz, heads, key_dim, value_dim):
+        raise ValueError(f"s0 must be {(bsz, heads, key_dim, value_dim)}; got {s0.shape}")
+    gates = gates.astype(jnp.float32)
+    if s0 is not None:
+        s0 = s0.astype(jnp.float32)
+
+    bv = block_v(key_dim, value_dim)
+    grid = (bsz, heads, value_dim // bv)
+    x_spec = pl.BlockSpec((None, num_tokens, None, key_dim), lambda b, h, j: (b, 0, h, 0))
+    y_spec = pl.BlockSpec((None, num_tokens, None, bv), lambda b, h, j: (b, 0, h, j))
+    state_spec = pl.BlockSpec((None, None, key_dim, bv), lambda b, h, j: (b, h, 0, j))
+    kernel = functools.partial(_kernel, num_tokens=num_tokens, scale=float(scale))
+    with jax.named_scope(f"gla_recurrent_decode_block_v={bv}"):
+        o, final = pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=[x_spec, x_spec, y_spec, x_spec, None if s0 is None else state_spec],
+            out_specs=[y_spec, state_spec],
+            out_shape=[
+                jax.ShapeDtypeStruct((bsz, num_tokens, heads, value_dim), v.dtype),
+                jax.ShapeDtypeStruct((bsz, heads, key_dim, value_dim), jnp.float32),
+            ],
+            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+            interpret=interpret,
+            name="gla_recurrent_decode",
+        )(q, k, v, gates, s0)
+    return o, final
