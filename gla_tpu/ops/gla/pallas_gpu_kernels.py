@@ -200,11 +200,12 @@ BOUND = 40.0
 
 
 def bounded_chunks(b, chunk: int):
-    """b [B, Tp, H, K] chunk-local running sum of the log gate -> [B, H, N] int32: 1 where the
-    chunk decays by at most BOUND in every key channel (b_first - b_last <= BOUND)."""
+    """b [B, Tp, H, K] chunk-local running sum of the log gate -> [B, H, N] int32: 1 where
+    |b - b_first| <= BOUND over the chunk in every key channel (for log gates <= 0: the chunk
+    decays by at most BOUND; NaN or infinite gates take the exact path)."""
     bsz, tp, h, kd = b.shape
     bc = b.reshape(bsz, tp // chunk, chunk, h, kd)
-    span = jnp.max(bc[:, :, 0] - bc[:, :, -1], axis=-1)  # [B, N, H]
+    span = jnp.max(jnp.abs(bc - bc[:, :, :1]), axis=(2, 4))  # [B, N, H]
     return (span <= BOUND).astype(jnp.int32).transpose(0, 2, 1)
 
 
