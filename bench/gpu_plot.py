@@ -1,6 +1,8 @@
-"""Plots of the side-by-side GPU results: ms vs T per implementation (the GLA / softmax crossover).
+"""Plots of the side-by-side GPU results: ms vs T per implementation (the GLA / softmax
+crossover), or ms per shape and implementation for a run of several shapes (attention, gla).
 
 Usage: python bench/gpu_plot.py results/crossover.json --out results/crossover.png
+       python bench/gpu_plot.py results/gla.json --out results/gla.png
 """
 
 from __future__ import annotations
@@ -36,13 +38,47 @@ def plot_crossover(records, path):
     fig.savefig(path, dpi=120)
 
 
+def plot_shapes(records, path):
+    """One panel per mode (fwd, fwd+bwd): ms (log) per shape, one marker series per impl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in records if r.get("ms_median") is not None and r["op"] != "gla_kernel"]
+    modes = sorted({r["mode"] for r in timed})
+    shapes = list(dict.fromkeys(str(tuple(r["shape"])) for r in timed))
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        series = collections.defaultdict(dict)
+        for r in timed:
+            if r["mode"] == mode:
+                series[r["impl"]][str(tuple(r["shape"]))] = r["ms_median"]
+        for impl, points in sorted(series.items()):
+            xs = [i for i, s in enumerate(shapes) if s in points]
+            ax.plot(xs, [points[shapes[i]] for i in xs], marker="o", linestyle="", label=impl)
+        ax.set_xticks(range(len(shapes)), shapes, rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{mode} ms (median)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    device = timed[0]["device"] if timed else ""
+    fig.suptitle(f"{timed[0]['op'] if timed else ''}, {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     with open(args.json) as f:
-        plot_crossover(json.load(f), args.out)
+        records = json.load(f)
+    if any(r["op"] == "crossover" for r in records):
+        plot_crossover(records, args.out)
+    else:
+        plot_shapes(records, args.out)
 
 
 if __name__ == "__main__":
