@@ -52,10 +52,13 @@ def test_gate_strengths_reach_the_paths(gate_strength, expected):
     assert flags[0].tolist() == [by_chunk] * 2
 
 
-@pytest.mark.parametrize("seq_len,gate", [(1, "key"), (3, "head"), (16, "none")])
-def test_interpret_parity_few_tokens(seq_len, gate):
+@pytest.mark.parametrize("seq_len,gate,initial_state",
+                         [(1, "key", True), (3, "head", True), (16, "none", True),
+                          (2, "key", False)])
+def test_interpret_parity_few_tokens(seq_len, gate, initial_state):
     # T <= 16 without segments: the token-by-token forward, the chunked backward
-    case = GLACase(2, seq_len, 2, 64, 128, gate=gate, initial_state=True)
+    case = GLACase(2, seq_len, 2, 64, 128, gate=gate, initial_state=initial_state,
+                   output_final_state=initial_state)
     check_gla_parity(case, jax.random.key(6), dtype=jnp.float32, mode="fused_recurrent",
                      backend="pallas_gpu", interpret=True)
 

@@ -132,7 +132,7 @@ def _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
     b = chunk_cumsum(g, geo.chunk)  # [B, Tp, H, K] float32
     states, final = kernels.state_pass(k, v, b, last, keep, s0, geo=geo, reverse=False,
                                        interpret=interpret)
-    bounded = kernels.bounded_chunks(b, geo.chunk)  # [B, H, N]: the fast diagonal blocks apply
+    bounded = kernels.bounded_chunks(b, geo.chunk)  # [B, H, N]: one product per chunk applies
     a = kernels.intra_scores(q, k, b, seg, bounded, geo=geo, interpret=interpret)
     o = kernels.chunk_output(q, b, reach, a, v, states, geo=geo, interpret=interpret)
     residuals = (q, k, v, b, s0, seg, reach, last, keep, start, a, states, bounded)
