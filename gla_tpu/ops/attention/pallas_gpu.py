@@ -13,11 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gla_tpu.ops.common.backends import require_gpu_dtype
 from gla_tpu.ops.attention import pallas_gpu_kernels as kernels
 from gla_tpu.ops.common.gating import pad_time
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def _power_of_two(x: int) -> bool:
@@ -92,11 +92,7 @@ def check_supported(problem, block_sizes) -> None:
             f"the 'pallas_gpu' flash_attention takes head dims {HEAD_DIMS}; got D={problem.head_dim}. "
             "backend='xla' takes any head dim."
         )
-    if jnp.dtype(problem.dtype) not in DTYPES:
-        raise NotImplementedError(
-            f"the 'pallas_gpu' flash_attention takes bfloat16, float16 or float32; got {problem.dtype}. "
-            "backend='xla' takes it."
-        )
+    require_gpu_dtype("flash_attention", problem.dtype)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise NotImplementedError(
             f"block_sizes={block_sizes!r} is not a pallas_gpu BlockSizes; pass "

@@ -230,25 +230,34 @@ def _seg_specs(geo: Geometry, q_block, kv_block):
     return q_block, kv_block
 
 
-def forward(q, k, v, q_seg, kv_seg, *, geo: Geometry, block_q: int, block_kv: int,
-            num_warps: int, num_stages: int, interpret):
-    """q [B, Tp, H, D], k/v [B, Sp, Hkv, D] -> (o [B, Tp, H, D], lse [B, H, Tp] float32)."""
+def _query_tiled_specs(geo: Geometry, q, k, block_q: int):
+    """Grid (query block, batch, head), all parallel, and the BlockSpecs of the forward and dq
+    kernels: q-shaped tiles, whole k/v of the GQA head, [B, H, Tp] rows, segment ids."""
     b, tp, h, d = q.shape
     sp = k.shape[1]
     group = geo.group
-    grid = (tp // block_q, b, h)  # (query block, batch, head): all parallel
+    grid = (tp // block_q, b, h)
     q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
     kv_spec = pl.BlockSpec((None, sp, None, d), lambda i, bi, hi: (bi, 0, hi // group, 0))
+    row_spec = pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))
     qs_spec, ks_spec = _seg_specs(
         geo, pl.BlockSpec((None, block_q), lambda i, bi, hi: (bi, i)),
         pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)))
+    return grid, q_spec, kv_spec, row_spec, qs_spec, ks_spec
+
+
+def forward(q, k, v, q_seg, kv_seg, *, geo: Geometry, block_q: int, block_kv: int,
+            num_warps: int, num_stages: int, interpret):
+    """q [B, Tp, H, D], k/v [B, Sp, Hkv, D] -> (o [B, Tp, H, D], lse [B, H, Tp] float32)."""
+    b, tp, h, _ = q.shape
+    grid, q_spec, kv_spec, row_spec, qs_spec, ks_spec = _query_tiled_specs(geo, q, k, block_q)
     kernel = functools.partial(_forward_kernel, geo=geo, block_q=block_q, block_kv=block_kv)
     with jax.named_scope(f"flash_fwd_block_q={block_q}_block_kv={block_kv}"):
         return pl.pallas_call(
             kernel,
             grid=grid,
             in_specs=[q_spec, kv_spec, kv_spec, qs_spec, ks_spec],
-            out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))],
+            out_specs=[q_spec, row_spec],
             out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                        jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
             compiler_params=_params(num_warps, num_stages),
@@ -260,16 +269,7 @@ def forward(q, k, v, q_seg, kv_seg, *, geo: Geometry, block_q: int, block_kv: in
 def backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block_q: int,
                 block_kv: int, num_warps: int, num_stages: int, interpret):
     """-> dq [B, Tp, H, D] in q's dtype."""
-    b, tp, h, d = q.shape
-    sp = k.shape[1]
-    group = geo.group
-    grid = (tp // block_q, b, h)
-    q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
-    kv_spec = pl.BlockSpec((None, sp, None, d), lambda i, bi, hi: (bi, 0, hi // group, 0))
-    row_spec = pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))
-    qs_spec, ks_spec = _seg_specs(
-        geo, pl.BlockSpec((None, block_q), lambda i, bi, hi: (bi, i)),
-        pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)))
+    grid, q_spec, kv_spec, row_spec, qs_spec, ks_spec = _query_tiled_specs(geo, q, k, block_q)
     kernel = functools.partial(_dq_kernel, geo=geo, block_q=block_q, block_kv=block_kv)
     with jax.named_scope(f"flash_dq_block_q={block_q}_block_kv={block_kv}"):
         return pl.pallas_call(

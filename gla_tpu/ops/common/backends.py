@@ -75,3 +75,15 @@ def backend_module(op_family: str, backend: str):
     Imported on first use, so a Pallas backend costs nothing until it is picked.
     """
     return importlib.import_module(f"gla_tpu.ops.{op_family}.{backend}")
+
+
+GPU_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def require_gpu_dtype(op_name: str, dtype) -> None:
+    """NotImplementedError unless dtype is one the 'pallas_gpu' kernels take."""
+    if jax.numpy.dtype(dtype).name not in GPU_DTYPES:
+        raise NotImplementedError(
+            f"the 'pallas_gpu' {op_name} takes bfloat16, float16 or float32; got {dtype}. "
+            "backend='xla' takes it."
+        )

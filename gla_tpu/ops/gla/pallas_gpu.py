@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gla_tpu.ops.common.backends import require_gpu_dtype
 from gla_tpu.ops.common.gating import (
     pad_segment_index,
     pad_time,
@@ -29,7 +30,6 @@ CHUNK = 64  # chunk length on GPU, whatever `chunk_size` asks (the result does n
 MAX_RECURRENT_T = 16
 BLOCK = 64  # K and V tile
 MAX_DIM = 512
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def check_supported(problem) -> None:
@@ -39,11 +39,7 @@ def check_supported(problem) -> None:
                 f"the 'pallas_gpu' gla takes {name} <= {MAX_DIM}; got {name}={dim}. "
                 "backend='xla' takes it."
             )
-    if jnp.dtype(problem.dtype) not in DTYPES:
-        raise NotImplementedError(
-            f"the 'pallas_gpu' gla takes bfloat16, float16 or float32; got {problem.dtype}. "
-            "backend='xla' takes it."
-        )
+    require_gpu_dtype("gla", problem.dtype)
 
 
 def _padded_dim(d: int) -> int:

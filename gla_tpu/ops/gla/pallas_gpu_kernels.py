@@ -401,27 +401,36 @@ def _output_kernel(q_ref, b_ref, reach_ref, a_ref, v_ref, h_ref, o_ref, *, geo: 
     o_ref[...] = ((intra + inter) * geo.scale).astype(o_ref.dtype)
 
 
-def chunk_output(q, b, reach, a, v, states, *, geo: ChunkGeometry, interpret):
-    """-> o [B, Tp, H, V] in v's dtype."""
-    bsz, tp, h, kd = q.shape
+def _per_value_block(kernel, x, b, mask, a, y, states, *, geo: ChunkGeometry, interpret,
+                     name: str):
+    """The pallas_call of chunk_output and chunk_dv: grid (B, H, N, V blocks); x, b [B, Tp, H, K]
+    whole, mask [B, Tp] | None, a [B, H, Tp, C], y and the output [B, Tp, H, V] by V blocks,
+    states [B, H, >= N, K, V] (chunk n's [K, BV] block)."""
+    bsz, tp, h, kd = x.shape
     c, bv = geo.chunk, geo.block_v
     grid = (bsz, h, geo.num_chunks, geo.value_dim // bv)
     tok_k = pl.BlockSpec((None, c, None, kd), lambda bi, hi, n, vi: (bi, n, hi, 0))
     tok_v = pl.BlockSpec((None, c, None, bv), lambda bi, hi, n, vi: (bi, n, hi, vi))
-    reach_spec = None if reach is None else pl.BlockSpec((None, c), lambda bi, hi, n, vi: (bi, n))
+    mask_spec = None if mask is None else pl.BlockSpec((None, c), lambda bi, hi, n, vi: (bi, n))
     a_spec = pl.BlockSpec((None, None, c, c), lambda bi, hi, n, vi: (bi, hi, n, 0))
     h_spec = pl.BlockSpec((None, None, None, kd, bv), lambda bi, hi, n, vi: (bi, hi, n, 0, vi))
-    with jax.named_scope(f"gla_chunk_output_chunk={c}_block_v={bv}"):
+    with jax.named_scope(f"{name}_chunk={c}_block_v={bv}"):
         return pl.pallas_call(
-            functools.partial(_output_kernel, geo=geo),
+            functools.partial(kernel, geo=geo),
             grid=grid,
-            in_specs=[tok_k, tok_k, reach_spec, a_spec, tok_v, h_spec],
+            in_specs=[tok_k, tok_k, mask_spec, a_spec, tok_v, h_spec],
             out_specs=tok_v,
-            out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+            out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
             compiler_params=_params(geo),
             interpret=interpret,
-            name="gla_chunk_output",
-        )(q, b, reach, a, v, states)
+            name=name,
+        )(x, b, mask, a, y, states)
+
+
+def chunk_output(q, b, reach, a, v, states, *, geo: ChunkGeometry, interpret):
+    """-> o [B, Tp, H, V] in v's dtype."""
+    return _per_value_block(_output_kernel, q, b, reach, a, v, states, geo=geo,
+                            interpret=interpret, name="gla_chunk_output")
 
 
 # Backward.
@@ -530,22 +539,5 @@ def _dv_kernel(k_ref, b_ref, last_ref, a_ref, do_ref, dh_ref, dv_ref, *, geo: Ch
 
 def chunk_dv(k, b, last, a, do, dstates, *, geo: ChunkGeometry, interpret):
     """-> dv [B, Tp, H, V] in do's dtype."""
-    bsz, tp, h, kd = k.shape
-    c, bv = geo.chunk, geo.block_v
-    grid = (bsz, h, geo.num_chunks, geo.value_dim // bv)
-    tok_k = pl.BlockSpec((None, c, None, kd), lambda bi, hi, n, vi: (bi, n, hi, 0))
-    tok_v = pl.BlockSpec((None, c, None, bv), lambda bi, hi, n, vi: (bi, n, hi, vi))
-    last_spec = None if last is None else pl.BlockSpec((None, c), lambda bi, hi, n, vi: (bi, n))
-    a_spec = pl.BlockSpec((None, None, c, c), lambda bi, hi, n, vi: (bi, hi, n, 0))
-    h_spec = pl.BlockSpec((None, None, None, kd, bv), lambda bi, hi, n, vi: (bi, hi, n, 0, vi))
-    with jax.named_scope(f"gla_chunk_dv_chunk={c}_block_v={bv}"):
-        return pl.pallas_call(
-            functools.partial(_dv_kernel, geo=geo),
-            grid=grid,
-            in_specs=[tok_k, tok_k, last_spec, a_spec, tok_v, h_spec],
-            out_specs=tok_v,
-            out_shape=jax.ShapeDtypeStruct(do.shape, do.dtype),
-            compiler_params=_params(geo),
-            interpret=interpret,
-            name="gla_chunk_dv",
-        )(k, b, last, a, do, dstates)
+    return _per_value_block(_dv_kernel, k, b, last, a, do, dstates, geo=geo,
+                            interpret=interpret, name="gla_chunk_dv")
