@@ -304,53 +304,51 @@ def bench_decode(ctx, b=64, h=16, kd=128, vd=128):
 
 def bench_gla_breakdown(ctx, b=4, t=4096, h=16, kd=128, vd=128):
     """Times each kernel of our chunked GLA alone (forward: state pass, intra scores, output;
-    backward: reversed state pass, dq/dk/dg, dv), to show where the time goes."""
+    backward: reversed state pass, dA, dq/dk/dg, dv), to show where the time goes."""
     from gla_tpu.ops.gla import pallas_gpu
     from gla_tpu.ops.gla import pallas_gpu_kernels as kern
 
     rng = np.random.default_rng(ctx.seed)
     q, k, v, g, _ = gla_inputs(rng, b, t, h, kd, vd)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    geo = kern.ChunkGeometry(chunk=pallas_gpu.CHUNK, block_k=pallas_gpu.BLOCK,
-                             block_v=pallas_gpu.BLOCK, key_dim=kd, value_dim=vd,
-                             num_chunks=t // pallas_gpu.CHUNK, scale=kd**-0.5,
-                             has_segments=False)
-    bsum = jax.jit(lambda g: pallas_gpu.chunk_cumsum(g, geo.chunk))(jnp.asarray(g))
-    states, _ = jax.jit(lambda k, v, b: kern.state_pass(
-        k, v, b, None, None, None, geo=geo, reverse=False, interpret=False))(jk, jv, bsum)
-    bounded = jax.jit(lambda b: kern.bounded_chunks(b, geo.chunk))(bsum)
-    a = jax.jit(lambda q, k, b, f: kern.intra_scores(q, k, b, None, f, geo=geo,
-                                                     interpret=False))(jq, jk, bsum, bounded)
+    geo = pallas_gpu.chunk_geometry(t, kd, vd, scale=kd**-0.5, has_segments=False,
+                                    exact_inter=False)  # mode "chunk"
     do = jv
-    dfinal = states[:, :, -1]
-    dstates, _ = jax.jit(lambda q, do, b, s: kern.state_pass(
-        q, do, b, None, None, s, geo=geo, reverse=True, interpret=False))(jq, do, bsum, dfinal)
     stages = {
-        "gate_cumsum": (lambda g: pallas_gpu.chunk_cumsum(g, geo.chunk), (jnp.asarray(g),)),
-        "state_pass_fwd": (lambda k, v, b: kern.state_pass(k, v, b, None, None, None, geo=geo,
-                                                            reverse=False, interpret=False),
-                           (jk, jv, bsum)),
-        "bounded_flags": (lambda b: kern.bounded_chunks(b, geo.chunk), (bsum,)),
-        "intra_scores": (lambda q, k, b, f: kern.intra_scores(q, k, b, None, f, geo=geo,
-                                                              interpret=False),
-                         (jq, jk, bsum, bounded)),
-        "chunk_output": (lambda q, b, a, v, s: kern.chunk_output(q, b, None, a, v, s, geo=geo,
-                                                                 interpret=False),
-                         (jq, bsum, a, jv, states)),
-        "state_pass_rev": (lambda q, do, b, s: kern.state_pass(q, do, b, None, None, s, geo=geo,
-                                                                reverse=True, interpret=False),
-                           (jq, do, bsum, dfinal)),
-        "chunk_dqk": (lambda q, k, v, do, b, s, ds, f: kern.chunk_dqk(
-            q, k, v, do, b, None, None, None, None, s, ds, f, geo=geo, interpret=False),
-            (jq, jk, jv, do, bsum, states, dstates, bounded)),
-        "chunk_dv": (lambda k, b, a, do, ds: kern.chunk_dv(k, b, None, a, do, ds, geo=geo,
-                                                           interpret=False),
-                     (jk, bsum, a, do, dstates)),
+        "gate_cumsum": lambda g: pallas_gpu.chunk_cumsum(g, geo.chunk),
+        "state_pass_fwd": lambda k, v, b: kern.state_pass(
+            k, v, b, None, None, None, geo=geo, reverse=False, interpret=False),
+        "bounded_flags": lambda b: kern.bounded_chunks(b, geo.chunk),
+        "intra_scores": lambda q, k, b, f: kern.intra_scores(q, k, b, None, f, geo=geo,
+                                                             interpret=False),
+        "chunk_output": lambda q, b, a, v, s: kern.chunk_output(q, b, None, a, v, s, geo=geo,
+                                                                interpret=False),
+        "state_pass_rev": lambda q, do, b, s: kern.state_pass(
+            q, do, b, None, None, s, geo=geo, reverse=True, interpret=False),
+        "chunk_da": lambda do, v: kern.chunk_da(do, v, None, geo=geo, interpret=False),
+        "chunk_dqk": lambda q, k, v, do, b, da, s, ds, f: kern.chunk_dqk(
+            q, k, v, do, b, da, None, None, None, None, s, ds, f, geo=geo, interpret=False),
+        "chunk_dv": lambda k, b, a, do, ds: kern.chunk_dv(k, b, None, a, do, ds, geo=geo,
+                                                          interpret=False),
     }
-    for name, (fn, args) in stages.items():
+    run = {name: jax.jit(fn) for name, fn in stages.items()}
+    bsum = run["gate_cumsum"](jnp.asarray(g))
+    states, final = run["state_pass_fwd"](jk, jv, bsum)
+    bounded = run["bounded_flags"](bsum)
+    a = run["intra_scores"](jq, jk, bsum, bounded)
+    dstates, _ = run["state_pass_rev"](jq, do, bsum, final)
+    da = run["chunk_da"](do, jv)
+    args = {
+        "gate_cumsum": (jnp.asarray(g),), "state_pass_fwd": (jk, jv, bsum),
+        "bounded_flags": (bsum,), "intra_scores": (jq, jk, bsum, bounded),
+        "chunk_output": (jq, bsum, a, jv, states), "state_pass_rev": (jq, do, bsum, final),
+        "chunk_da": (do, jv), "chunk_dqk": (jq, jk, jv, do, bsum, da, states, dstates, bounded),
+        "chunk_dv": (jk, bsum, a, do, dstates),
+    }
+    for name, fn in run.items():
         try:
             record(ctx, op="gla_kernel", impl=name, shape=(b, t, h, kd, vd), mode="fwd",
-                   timing=time_jax(fn, *args))
+                   timing=time_jax(fn, *args[name]))
         except Exception as e:
             message = str(e).splitlines()[0] if str(e) else ""
             record(ctx, op="gla_kernel", impl=name, shape=(b, t, h, kd, vd), mode="fwd",
@@ -405,6 +403,8 @@ def main(argv=None):
                         help="comma-separated T values for the crossover (default: CROSSOVER_T)")
     parser.add_argument("--peers-only", action="store_true",
                         help="GLA: time only the peers (ours runs once for the numerics check)")
+    parser.add_argument("--no-fla-recurrent", action="store_true",
+                        help="GLA: leave out fla's fused_recurrent_gla (50-100 ms a step)")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -424,11 +424,12 @@ def main(argv=None):
                 if args.gla_shapes:
                     shapes = [GLA_SHAPES[int(i)] for i in args.gla_shapes.split(",")]
                 for shape in shapes:
-                    bench_gla_shape(ctx, *shape, modes)
+                    bench_gla_shape(ctx, *shape, modes, fla_recurrent=not args.no_fla_recurrent)
             elif part == "decode":
                 bench_decode(ctx)
             elif part == "breakdown":
-                bench_gla_breakdown(ctx)
+                for index in (args.gla_shapes or "0").split(","):
+                    bench_gla_breakdown(ctx, *GLA_SHAPES[int(index)])
             else:
                 lengths = CROSSOVER_T[:3] if args.quick else CROSSOVER_T
                 if args.crossover_t:

@@ -28,8 +28,28 @@ CHUNK = 64  # chunk length on GPU, whatever `chunk_size` asks (the result does n
 # Up to this many tokens without segments, the forward runs the token-by-token kernel
 # (decoding); its backward is the chunked one's.
 MAX_RECURRENT_T = 16
-BLOCK = 64  # K and V tile
+BLOCK_K = 64  # K tile
 MAX_DIM = 512
+
+
+def value_block(value_dim: int) -> int:
+    """V tile: 128 from V = 256 on (state passes, output and dv ran 1.3-1.4x faster than with 64 at
+    V = 512 on the H200), else 64 (more programs for the state passes' chunk loop)."""
+    return 128 if value_dim >= 256 else 64
+
+
+def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: float,
+                   has_segments: bool, exact_inter: bool) -> kernels.ChunkGeometry:
+    """The kernels' tiles for padded T, K and V (powers of two >= 64). `exact_inter` (mode
+    "fused_recurrent") keeps dq's and dk's products with the float32 states float32-accurate, as
+    that mode's XLA baseline is a float32 recurrence; modes "chunk" and "fused_chunk" round the
+    states to the input dtype there, as XLA's chunked baseline and fla's chunk_gla do
+    (docs/gpu_backend.md)."""
+    return kernels.ChunkGeometry(
+        chunk=CHUNK, block_k=BLOCK_K, block_v=value_block(value_dim), key_dim=key_dim,
+        value_dim=value_dim, num_chunks=-(-padded_len // CHUNK), scale=scale,
+        has_segments=has_segments, exact_inter=exact_inter,
+    )
 
 
 def check_supported(problem) -> None:
@@ -43,7 +63,7 @@ def check_supported(problem) -> None:
 
 
 def _padded_dim(d: int) -> int:
-    return max(BLOCK, 1 << (d - 1).bit_length())
+    return max(BLOCK_K, 1 << (d - 1).bit_length())
 
 
 def _pad_last(x, size: int):
@@ -91,11 +111,9 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, interpret):
     if segment_ids is not None:
         seg = pad_segment_index(segment_index(segment_ids), CHUNK)
         reach, last, keep, start = segment_masks(seg, CHUNK)
-    geo = kernels.ChunkGeometry(
-        chunk=CHUNK, block_k=BLOCK, block_v=BLOCK, key_dim=kp, value_dim=vp,
-        num_chunks=-(-qp.shape[1] // CHUNK), scale=float(problem.scale),
-        has_segments=segment_ids is not None,
-    )
+    geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
+                         has_segments=segment_ids is not None,
+                         exact_inter=problem.mode == "fused_recurrent")
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if few_tokens:
             o, final = _few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
@@ -142,7 +160,8 @@ def _chunked_bwd(geo, interpret, residuals, cotangents):
     dfinal = dfinal.astype(jnp.float32)
     dstates, ds0 = kernels.state_pass(q, do, b, reach, keep, dfinal, geo=geo, reverse=True,
                                       interpret=interpret)
-    dq, dk, dg = kernels.chunk_dqk(q, k, v, do, b, seg, reach, last, start, states, dstates,
+    da = kernels.chunk_da(do, v, seg, geo=geo, interpret=interpret)
+    dq, dk, dg = kernels.chunk_dqk(q, k, v, do, b, da, reach, last, start, keep, states, dstates,
                                    bounded, geo=geo, interpret=interpret)
     dv = kernels.chunk_dv(k, b, last, a, do, dstates, geo=geo, interpret=interpret)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, None if s0 is None else ds0,

@@ -13,7 +13,8 @@ Kernels:
   (dh_n = keep_n exp(B_n) dh_{n+1} + (q exp(b) reach scale)^T do): one kernel, two directions.
 - `intra_scores`: the masked, unscaled intra-chunk scores A [C, C] per chunk.
 - `chunk_output`: o = scale (A v + (q exp(b) reach) h_n).
-- `chunk_dqk`: dq, dk (float32) of a chunk and K block, intra and inter parts.
+- `chunk_da`: dA = scale do v^T [C, C] per chunk, masked like A.
+- `chunk_dqk`: dq, dk, dg (float32) of a chunk and K block, intra and inter parts.
 - `chunk_dv`: dv = scale A^T do + (k exp(B - b) last) dh_{n+1}.
 The intra-chunk products take one of two paths per chunk (section "Intra-chunk products").
 """
@@ -47,8 +48,14 @@ class ChunkGeometry:
     scale: float
     has_segments: bool
     num_warps: int = 4
-    num_warps_dqk: int = 8
+    num_warps_dqk: int = 4
     num_stages: int = 2
+    # dtype the state passes store h_n and dh_{n+1} in for the later kernels (the recurrence runs
+    # in float32 either way)
+    state_dtype: str = "float32"
+    # dq's and dk's inter-chunk products on the float32 states (split bfloat16 for 16-bit
+    # inputs) instead of states rounded to the input dtype
+    exact_inter: bool = False
 
 
 def _dot(a, b):
@@ -124,7 +131,7 @@ def _state_kernel(x_ref, y_ref, b_ref, w_ref, keep_ref, init_ref, states_ref, fi
     def body(step, h):
         n = geo.num_chunks - 1 - step if reverse else step
         rows = pl.ds(n * c, c)
-        states_ref[n, :, :] = h
+        states_ref[n, :, :] = h.astype(states_ref.dtype)
         b = b_ref[rows, :]  # [C, BK]
         b_last = b_ref[pl.ds(n * c + c - 1, 1), :]  # [1, BK]
         x = x_ref[rows, :]
@@ -137,22 +144,22 @@ def _state_kernel(x_ref, y_ref, b_ref, w_ref, keep_ref, init_ref, states_ref, fi
         decay = jnp.exp(b_last)  # [1, BK]
         if keep_ref is not None:
             decay = decay * keep_ref[pl.ds(n, 1)][:, None]
-        # the gated operand stays float32 (split-bfloat16 product): dg cancels q dq - k dk
-        # against h dh, which holds only if the states are as exact as the gradients
+        # the gated operand stays float32 (split-bfloat16 product: measured no slower than a
+        # bfloat16 one, the pass being latency-bound)
         xw = x.astype(jnp.float32) * weight
         return h * decay.T + _t_dot_f32(xw, y_ref[rows, :], x.dtype)
 
     h = lax.fori_loop(0, geo.num_chunks, body, h)
     final_ref[...] = h
     if not reverse:
-        states_ref[geo.num_chunks, :, :] = h
+        states_ref[geo.num_chunks, :, :] = h.astype(states_ref.dtype)
 
 
 def state_pass(x, y, b, w, keep, init, *, geo: ChunkGeometry, reverse: bool, interpret):
     """x [B, Tp, H, K], y [B, Tp, H, V], b [B, Tp, H, K] f32, w [B, Tp] | None, keep [B, N] | None,
     init [B, H, K, V] f32 | None -> (states, final [B, H, K, V] f32): states [B, H, N + 1, K, V]
-    f32 forward (entering each chunk, then the final state), [B, H, N, K, V] reversed (the
-    gradient of the state leaving each chunk)."""
+    forward (entering each chunk, then the final state), [B, H, N, K, V] reversed (the gradient
+    of the state leaving each chunk), in geo.state_dtype; `final` is float32."""
     bsz, tp, h, _ = x.shape
     bk, bv = geo.block_k, geo.block_v
     grid = (bsz, h, geo.key_dim // bk, geo.value_dim // bv)
@@ -176,7 +183,7 @@ def state_pass(x, y, b, w, keep, init, *, geo: ChunkGeometry, reverse: bool, int
             out_specs=[states_spec, kv_spec],
             out_shape=[
                 jax.ShapeDtypeStruct((bsz, h, n_states, geo.key_dim, geo.value_dim),
-                                     jnp.float32),
+                                     geo.state_dtype),
                 jax.ShapeDtypeStruct((bsz, h, geo.key_dim, geo.value_dim), jnp.float32),
             ],
             compiler_params=_params(geo),
@@ -345,26 +352,41 @@ def _intra_kernel(flag_ref, q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGe
     a_ref[...] = jnp.where(_intra_mask(geo, seg_ref, c, 0), s, 0.0)
 
 
-def intra_scores(q, k, b, seg, bounded, *, geo: ChunkGeometry, interpret):
-    """-> A [B, H, Tp, C] float32: per chunk the masked, unscaled intra-chunk scores.
-    `bounded` [B, H, N] int32 from bounded_chunks."""
-    bsz, tp, h, kd = q.shape
+def _per_chunk(kernel, operands, *, geo: ChunkGeometry, interpret, name: str):
+    """The pallas_call of intra_scores and chunk_da: grid (B, H, N), output [B, H, Tp, C] float32
+    (chunk n's [C, C] block). Each operand is None, a per-chunk flag [B, H, N], a per-token row
+    [B, Tp] or a token array [B, Tp, H, D] (chunk n's rows, all of D)."""
+    tokens = next(x for x in operands if x is not None and x.ndim == 4)
+    bsz, tp, h, _ = tokens.shape
     c = geo.chunk
-    grid = (bsz, h, geo.num_chunks)
-    tok_spec = pl.BlockSpec((None, c, None, kd), lambda bi, hi, n: (bi, n, hi, 0))
-    seg_spec = None if seg is None else pl.BlockSpec((None, c), lambda bi, hi, n: (bi, n))
-    flag_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, n: (bi, hi, n))
-    with jax.named_scope(f"gla_intra_scores_chunk={c}"):
+
+    def spec(x):
+        if x is None:
+            return None
+        if x.ndim == 2:
+            return pl.BlockSpec((None, c), lambda bi, hi, n: (bi, n))
+        if x.ndim == 3:
+            return pl.BlockSpec((None, None, 1), lambda bi, hi, n: (bi, hi, n))
+        return pl.BlockSpec((None, c, None, x.shape[-1]), lambda bi, hi, n: (bi, n, hi, 0))
+
+    with jax.named_scope(f"{name}_chunk={c}"):
         return pl.pallas_call(
-            functools.partial(_intra_kernel, geo=geo),
-            grid=grid,
-            in_specs=[flag_spec, tok_spec, tok_spec, tok_spec, seg_spec],
+            functools.partial(kernel, geo=geo),
+            grid=(bsz, h, geo.num_chunks),
+            in_specs=[spec(x) for x in operands],
             out_specs=pl.BlockSpec((None, None, c, c), lambda bi, hi, n: (bi, hi, n, 0)),
             out_shape=jax.ShapeDtypeStruct((bsz, h, tp, c), jnp.float32),
             compiler_params=_params(geo),
             interpret=interpret,
-            name="gla_intra_scores",
-        )(bounded, q, k, b, seg)
+            name=name,
+        )(*operands)
+
+
+def intra_scores(q, k, b, seg, bounded, *, geo: ChunkGeometry, interpret):
+    """-> A [B, H, Tp, C] float32: per chunk the masked, unscaled intra-chunk scores.
+    `bounded` [B, H, N] int32 from bounded_chunks."""
+    return _per_chunk(_intra_kernel, [bounded, q, k, b, seg], geo=geo, interpret=interpret,
+                      name="gla_intra_scores")
 
 
 # Output.
@@ -436,40 +458,70 @@ def chunk_output(q, b, reach, a, v, states, *, geo: ChunkGeometry, interpret):
 # Backward.
 
 
-def _dqk_kernel(flag_ref, q_ref, k_ref, v_ref, do_ref, b_ref, seg_ref, reach_ref, last_ref,
-                start_ref, h_ref, h_next_ref, dh_ref, dq_ref, dk_ref, dg_ref, *,
+def _da_kernel(do_ref, v_ref, seg_ref, da_ref, *, geo: ChunkGeometry):
+    bv = geo.block_v
+
+    def over_v(vb, acc):
+        vs = pl.ds(vb * bv, bv)
+        return acc + _dot_t(do_ref[:, vs], v_ref[:, vs])
+
+    da = lax.fori_loop(0, geo.value_dim // bv, over_v,
+                       jnp.zeros((geo.chunk, geo.chunk), jnp.float32))
+    da_ref[...] = jnp.where(_intra_mask(geo, seg_ref, geo.chunk, 0), da * geo.scale, 0.0)
+
+
+def chunk_da(do, v, seg, *, geo: ChunkGeometry, interpret):
+    """-> dA [B, H, Tp, C] float32: per chunk scale do v^T, masked like A."""
+    return _per_chunk(_da_kernel, [do, v, seg], geo=geo, interpret=interpret, name="gla_chunk_da")
+
+
+def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref, last_ref,
+                start_ref, keep_ref, h_ref, dh_ref, dq_ref, dk_ref, dg_ref, *,
                 geo: ChunkGeometry):
     c, bk, bv = geo.chunk, geo.block_k, geo.block_v
     dt = q_ref.dtype
     ks = pl.ds(0, bk)
-    # Over V blocks: dA = do v^T [C, C], the inter-chunk products do h_n^T and v dh_{n+1}^T
-    # [C, BK], and sum_V h_{n+1} dh_{n+1} [1, BK] (dg's share of everything later chunks add).
-    da = jnp.zeros((c, c), jnp.float32)
-    dq = jnp.zeros((c, bk), jnp.float32)
-    dk = jnp.zeros((c, bk), jnp.float32)
-    carry = jnp.zeros((1, bk), jnp.float32)
-    for vb in range(geo.value_dim // bv):
+
+    # Inter-chunk products over V blocks: do h_n^T and v dh_{n+1}^T [C, BK] with the states
+    # rounded to the input dtype (as in chunk_output and chunk_dv), and sum_V h_n dh_{n+1} [1, BK]
+    # on the stored ones (float32: with bfloat16 ones, dg at T = 1 with an initial state was 16x
+    # the XLA error on the H200).
+    def over_v(vb, acc):
+        dq, dk, hdh = acc
         vs = pl.ds(vb * bv, bv)
+        h, dh = h_ref[:, vs], dh_ref[:, vs]  # [BK, BV] as stored
         do, v = do_ref[:, vs], v_ref[:, vs]  # [C, BV]
-        da = da + _dot_t(do, v)
-        # float32 states: dg below subtracts q dq and k dk, and rounding the states to the
-        # input dtype here left dg 5x the XLA error at K >= 128 in bfloat16
-        dq = dq + _dot_t_f32(do, h_ref[ks, vs], dt)
-        dk = dk + _dot_t_f32(v, dh_ref[ks, vs], dt)
-        carry = carry + jnp.sum(h_next_ref[ks, vs] * dh_ref[ks, vs], axis=1)[None, :]
-    da = jnp.where(_intra_mask(geo, seg_ref, c, 0), da * geo.scale, 0.0)
+        if geo.exact_inter:
+            dq = dq + _dot_t_f32(do, h, dt)
+            dk = dk + _dot_t_f32(v, dh, dt)
+        else:
+            dq = dq + _dot_t(do, h.astype(do.dtype))
+            dk = dk + _dot_t(v, dh.astype(v.dtype))
+        hdh = hdh + jnp.sum(h.astype(jnp.float32) * dh.astype(jnp.float32), axis=1)[None, :]
+        return dq, dk, hdh
+
+    zeros = jnp.zeros((c, bk), jnp.float32)
+    dq_inter, dk_inter, hdh = lax.fori_loop(0, geo.value_dim // bv, over_v,
+                                            (zeros, zeros, jnp.zeros((1, bk), jnp.float32)))
     b = b_ref[...]  # [C, BK]
+    b_last = b_ref[pl.ds(c - 1, 1), :]  # [1, BK]
     q_weight = jnp.exp(b) * geo.scale
-    k_weight = jnp.exp(b_ref[pl.ds(c - 1, 1), :] - b)
+    k_weight = jnp.exp(b_last - b)
+    decay = jnp.exp(b_last)  # [1, BK]: h_n's factor in h_{n+1}
     if reach_ref is not None:
         q_weight = q_weight * reach_ref[...][:, None]
         k_weight = k_weight * last_ref[...][:, None]
+        decay = decay * keep_ref[...][:, None]
+    dq_inter = dq_inter * q_weight
+    dk_inter = dk_inter * k_weight
     q = q_ref[...].astype(jnp.float32)
     k = k_ref[...].astype(jnp.float32)
+    da = da_ref[...]  # [C, C] scaled, masked
 
-    # dq and dk go on to dg = reverse running sum of q dq - k dk, where the terms of every key
-    # and query pair cancel except between them: the products keep float32 operands (split
-    # bfloat16 for 16-bit inputs), as bfloat16-rounded ones left dg 3x over the pass rule.
+    # The intra parts go on to dg as q dq - k dk summed over the chunk's later tokens, where the
+    # terms of every query and key pair between them cancel: their products keep float32
+    # operands (split bfloat16 for 16-bit inputs), as bfloat16-rounded ones left dg 3x over the
+    # pass rule.
     def bounded():
         to_ref, from_ref = _chunk_factors(b, b_ref, ks)
         return (to_ref * _dot_f32(da, k * from_ref, dt),
@@ -481,52 +533,56 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, v_ref, do_ref, b_ref, seg_ref, reach_ref
                 _sub_chunk_dk(da, q, b, b_ref, ks, dt)
                 + _exact_diagonal(q_ref, b_ref, b, ks, da, keys=True))
 
-    dq_in, dk_in = lax.cond(_read_flag(flag_ref), bounded, exact)
-    dq = dq * q_weight + dq_in
-    dk = dk * k_weight + dk_in
+    dq_intra, dk_intra = lax.cond(_read_flag(flag_ref), bounded, exact)
+    dq = dq_inter + dq_intra
     dq_ref[...] = dq
-    dk_ref[...] = dk
-    # dg_t = sum over s >= t in the chunk of (q_s dq_s - k_s dk_s) + sum_V h_{n+1} dh_{n+1}: the
-    # second term carries everything later chunks add, so no sum runs across chunks
+    dk_ref[...] = dk_inter + dk_intra
+    # dg_t = sum_{s >= t} (q_s dq_s - k_s dk_intra_s) + sum_{s < t} k_s dk_inter_s
+    #        + keep exp(B) sum_V h_n dh_{n+1}      (docs/gpu_backend.md derives it; no sum runs
+    # across chunks and no term cancels another: products with triangles of ones, exact in
+    # bfloat16, keep float32 operands)
     tok, col = _token_ids(c)
-    upper = (col >= tok).astype(jnp.float32)  # [C, C]: s >= t
-    dg = _dot_f32(upper, q * dq - k * dk, dt) + carry  # upper is exact in bfloat16
+    later = (col >= tok).astype(jnp.float32)  # [C, C]: s >= t
+    earlier = (col < tok).astype(jnp.float32)
+    dg = (_dot_f32(later, q * dq - k * dk_intra, dt) + _dot_f32(earlier, k * dk_inter, dt)
+          + decay * hdh)
     if start_ref is not None:
         # the first token of a later segment: the reset ignores its gate
         dg = dg * (1.0 - start_ref[...][:, None])
     dg_ref[...] = dg
 
 
-def chunk_dqk(q, k, v, do, b, seg, reach, last, start, states, dstates, bounded, *,
+def chunk_dqk(q, k, v, do, b, da, reach, last, start, keep, states, dstates, bounded, *,
               geo: ChunkGeometry, interpret):
-    """-> (dq, dk, dg) [B, Tp, H, K] float32; `states` [B, H, N + 1, K, V] from the forward pass,
-    `dstates` [B, H, N, K, V] from the reversed one, `start` [B, Tp] 1.0 where a later segment
-    starts (None without segments), `bounded` [B, H, N] from bounded_chunks."""
+    """-> (dq, dk, dg) [B, Tp, H, K] float32. `da` [B, H, Tp, C] from chunk_da, `states`
+    [B, H, N + 1, K, V] from the forward pass, `dstates` [B, H, N, K, V] from the reversed one,
+    `start` [B, Tp] 1.0 where a later segment starts and `keep` [B, N] (None without segments),
+    `bounded` [B, H, N] from bounded_chunks."""
     bsz, tp, h, kd = q.shape
     vd = v.shape[-1]
     c, bk = geo.chunk, geo.block_k
     grid = (bsz, h, geo.num_chunks, kd // bk)
     tok_k = pl.BlockSpec((None, c, None, bk), lambda bi, hi, n, ki: (bi, n, hi, ki))
     tok_v = pl.BlockSpec((None, c, None, vd), lambda bi, hi, n, ki: (bi, n, hi, 0))
-    row_spec = None if seg is None else pl.BlockSpec((None, c), lambda bi, hi, n, ki: (bi, n))
+    da_spec = pl.BlockSpec((None, None, c, c), lambda bi, hi, n, ki: (bi, hi, n, 0))
+    row_spec = None if reach is None else pl.BlockSpec((None, c), lambda bi, hi, n, ki: (bi, n))
+    keep_spec = None if keep is None else pl.BlockSpec((None, 1), lambda bi, hi, n, ki: (bi, n))
     st_spec = pl.BlockSpec((None, None, None, bk, vd), lambda bi, hi, n, ki: (bi, hi, n, ki, 0))
-    next_spec = pl.BlockSpec((None, None, None, bk, vd),
-                             lambda bi, hi, n, ki: (bi, hi, n + 1, ki, 0))
     flag_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, n, ki: (bi, hi, n))
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     with jax.named_scope(f"gla_chunk_dqk_chunk={c}_block_k={bk}"):
         return pl.pallas_call(
             functools.partial(_dqk_kernel, geo=geo),
             grid=grid,
-            in_specs=[flag_spec, tok_k, tok_k, tok_v, tok_v, tok_k, row_spec, row_spec,
-                      row_spec, row_spec, st_spec, next_spec, st_spec],
+            in_specs=[flag_spec, tok_k, tok_k, tok_k, da_spec, tok_v, tok_v, row_spec, row_spec,
+                      row_spec, keep_spec, st_spec, st_spec],
             out_specs=[tok_k, tok_k, tok_k],
             out_shape=[out, out, out],
             compiler_params=plgpu.CompilerParams(num_warps=geo.num_warps_dqk,
                                                  num_stages=geo.num_stages),
             interpret=interpret,
             name="gla_chunk_dqk",
-        )(bounded, q, k, v, do, b, seg, reach, last, start, states, states, dstates)
+        )(bounded, q, k, b, da, v, do, reach, last, start, keep, states, dstates)
 
 
 def _dv_kernel(k_ref, b_ref, last_ref, a_ref, do_ref, dh_ref, dv_ref, *, geo: ChunkGeometry):
