@@ -48,6 +48,8 @@ def plot_shapes(records, path):
     timed = [r for r in records if r.get("ms_median") is not None and r["op"] != "gla_kernel"]
     modes = sorted({r["mode"] for r in timed})
     shapes = list(dict.fromkeys(str(tuple(r["shape"])) for r in timed))
+    impls = sorted({r["impl"] for r in timed})
+    color = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}  # the same in every panel
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         series = collections.defaultdict(dict)
@@ -56,7 +58,8 @@ def plot_shapes(records, path):
                 series[r["impl"]][str(tuple(r["shape"]))] = r["ms_median"]
         for impl, points in sorted(series.items()):
             xs = [i for i, s in enumerate(shapes) if s in points]
-            ax.plot(xs, [points[shapes[i]] for i in xs], marker="o", linestyle="", label=impl)
+            ax.plot(xs, [points[shapes[i]] for i in xs], marker="o", linestyle="", label=impl,
+                    color=color[impl])
         ax.set_xticks(range(len(shapes)), shapes, rotation=60, ha="right", fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel(f"{mode} ms (median)")
