@@ -3,9 +3,9 @@
 Every mode runs the chunked kernels of pallas_gpu_kernels.py (docs/gpu_backend.md says why:
 "fused_chunk" and "fused_recurrent" compute the same function and the chunked path is the fastest
 correct one written for the GPU). This module pads, prepares gates and segment masks in XLA and
-wires the kernels with `jax.custom_vjp`; the gate gradient comes from the identity
-dL/db_t = q_t dq_t - k_t dk_t summed backwards within the chunk, plus h_{n+1} * dh_{n+1} summed
-over V for everything later chunks add (docs/gpu_backend.md derives it).
+wires the kernels with `jax.custom_vjp`; the gate gradient comes from dL/db_t = q_t dq_t - k_t dk_t
+summed backwards within the chunk plus what later chunks add through h_{n+1}, rewritten so that
+no two terms cancel (docs/gpu_backend.md derives it; pallas_gpu_kernels.chunk_dqk computes it).
 """
 
 from __future__ import annotations
