@@ -25,10 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gla_tpu.ops.common.gpu_products import product
 from gla_tpu.ops.common.masks import attention_visibility
 
 LOG2E = math.log2(math.e)
-_HIGHEST = lax.Precision.HIGHEST  # IEEE float32 products for float32 inputs; no effect on 16-bit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,16 +44,6 @@ class Geometry:
     offset: int  # bottom-right causal shift, S - T
     sm_scale: float
     has_segments: bool
-
-
-def _dot(a, b):
-    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _dot_t(a, b):
-    """a @ b.T without materializing the transpose."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST,
-                           preferred_element_type=jnp.float32)
 
 
 def _cdiv_nonneg(x, d: int):
@@ -121,7 +111,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         acc, m, l = carry  # [block_q, D], [block_q], [block_q]
         kv_slice = pl.ds(kb * block_kv, block_kv)
         k = k_ref[kv_slice, :]
-        s = _dot_t(q, k) * scale2  # [block_q, block_kv], base-2 logits
+        s = product(q, k, "nt") * scale2  # [block_q, block_kv], base-2 logits
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
@@ -134,7 +124,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         p = jnp.exp2(s - m_safe[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         v = v_ref[kv_slice, :]
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + product(p.astype(v.dtype), v)
         return acc, m_new, l
 
     full, hi = _kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
@@ -164,14 +154,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         kv_slice = pl.ds(kb * block_kv, block_kv)
         k = k_ref[kv_slice, :]
         v = v_ref[kv_slice, :]
-        p = jnp.exp2(_dot_t(q, k) * scale2 - lse)  # [block_q, block_kv]
+        p = jnp.exp2(product(q, k, "nt") * scale2 - lse)  # [block_q, block_kv]
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
             vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
             p = p if vis is None else jnp.where(vis, p, 0.0)
-        ds = p * (_dot_t(do, v) - delta)
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (product(do, v, "nt") - delta)
+        return dq + product(ds.astype(k.dtype), k)
 
     full, hi = _kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
     dq = jnp.zeros(q.shape, jnp.float32)
@@ -197,16 +187,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
         do = do_ref[q_slice, g, :]
         lse = lse_ref[g, q_slice][None, :]  # [1, block_q]
         delta = delta_ref[g, q_slice][None, :]
-        pt = jnp.exp2(_dot_t(k, q) * scale2 - lse)  # [block_kv, block_q]
+        pt = jnp.exp2(product(k, q, "nt") * scale2 - lse)  # [block_kv, block_q]
         if masked:
             q_pos = (qb * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]
             q_seg = qseg_ref[q_slice][None, :] if geo.has_segments else None
             # keys past kv_len only produce rows of dk, dv that are sliced away: no length check
             vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
             pt = pt if vis is None else jnp.where(vis, pt, 0.0)
-        dv = dv + _dot(pt.astype(do.dtype), do)
-        dst = pt * (_dot_t(v, do) - delta)
-        dk = dk + _dot(dst.astype(q.dtype), q)
+        dv = dv + product(pt.astype(do.dtype), do)
+        dst = pt * (product(v, do, "nt") - delta)
+        dk = dk + product(dst.astype(q.dtype), q)
         return dk, dv
 
     lo, full = _q_blocks_for_key_tile(geo, k_start, block_kv, block_q)

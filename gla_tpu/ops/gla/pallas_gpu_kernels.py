@@ -30,9 +30,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gla_tpu.ops.common.gpu_products import HIGHEST, SPLIT_BF16, product
+
 SUB = 16  # sub-chunk length of the secondary chunking
-_HIGHEST = lax.Precision.HIGHEST
-_SPLIT_BF16 = lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,46 +58,18 @@ class ChunkGeometry:
     exact_inter: bool = False
 
 
-def _dot(a, b):
-    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _dot_t(a, b):  # a @ b.T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST,
-                           preferred_element_type=jnp.float32)
-
-
 def _accurate_precision(input_dtype):
-    """Precision of a float32 product that dg's cancellation needs: for 16-bit inputs, each
-    operand split in a bfloat16 head and tail, three bfloat16 products on the matrix units (about
-    2^-16 relative, enough next to bfloat16 inputs); for float32 inputs the IEEE fp32 path (the
-    split's 2^-16 left dg 2.8x over the float32 bound on the H200)."""
-    return _HIGHEST if jnp.dtype(input_dtype) == jnp.float32 else _SPLIT_BF16
+    """Precision of a float32 product that dg's cancellation needs: for 16-bit inputs the split
+    bfloat16 products (about 2^-16 relative, enough next to bfloat16 inputs); for float32 inputs
+    the IEEE fp32 path (the split's 2^-16 left dg 2.8x over the float32 bound on the H200)."""
+    return HIGHEST if jnp.dtype(input_dtype) == jnp.float32 else SPLIT_BF16
 
 
-def _t_dot_f32(a, b, input_dtype):
-    """a.T @ b of float32 operands to the accuracy _accurate_precision gives."""
-    return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
-                           (((0,), (0,)), ((), ())), precision=_accurate_precision(input_dtype),
-                           preferred_element_type=jnp.float32)
-
-
-def _dot_f32(a, b, input_dtype):
-    """a @ b of float32 operands to the accuracy _accurate_precision gives."""
-    return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
-                   precision=_accurate_precision(input_dtype), preferred_element_type=jnp.float32)
-
-
-def _dot_t_f32(a, b, input_dtype):
-    """a @ b.T of float32 operands to the accuracy _accurate_precision gives."""
-    return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
-                           (((1,), (1,)), ((), ())), precision=_accurate_precision(input_dtype),
-                           preferred_element_type=jnp.float32)
-
-
-def _t_dot(a, b):  # a.T @ b
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST,
-                           preferred_element_type=jnp.float32)
+def _accurate(a, b, layout, input_dtype):
+    """The product of a and b taken as float32 operands, to the accuracy _accurate_precision
+    gives."""
+    return product(a.astype(jnp.float32), b.astype(jnp.float32), layout,
+                   _accurate_precision(input_dtype))
 
 
 def _params(geo: ChunkGeometry):
@@ -147,7 +119,7 @@ def _state_kernel(x_ref, y_ref, b_ref, w_ref, keep_ref, init_ref, states_ref, fi
         # the gated operand stays float32 (split-bfloat16 product: measured no slower than a
         # bfloat16 one, the pass being latency-bound)
         xw = x.astype(jnp.float32) * weight
-        return h * decay.T + _t_dot_f32(xw, y_ref[rows, :], x.dtype)
+        return h * decay.T + _accurate(xw, y_ref[rows, :], "tn", x.dtype)
 
     h = lax.fori_loop(0, geo.num_chunks, body, h)
     final_ref[...] = h
@@ -258,7 +230,7 @@ def _sub_chunk_scores(q, k, b, b_ref, ks, dt):
     out = jnp.zeros((c, c), jnp.float32)
     for i in range(1, c // SUB):
         rows = jnp.where(_in_sub(tok, i), q_rel, 0.0).astype(dt)
-        out = out + _dot_t(rows, _earlier_keys(k, b, b_ref, ks, i).astype(dt))
+        out = out + product(rows, _earlier_keys(k, b, b_ref, ks, i).astype(dt), "nt")
     return out
 
 
@@ -268,7 +240,7 @@ def _sub_chunk_dq(da, k, b, b_ref, ks, dt):
     tok, _ = _token_ids(c)
     out = jnp.zeros(k.shape, jnp.float32)
     for i in range(1, c // SUB):
-        prod = _dot_f32(da, _earlier_keys(k, b, b_ref, ks, i), dt)
+        prod = _accurate(da, _earlier_keys(k, b, b_ref, ks, i), "nn", dt)
         out = out + jnp.where(_in_sub(tok, i), prod, 0.0)
     return out * jnp.exp(b - _per_sub_rows(b_ref, 0, ks, c))
 
@@ -283,7 +255,7 @@ def _sub_chunk_dk(da, q, b, b_ref, ks, dt):
         anchor = b_ref[pl.ds(j * SUB + SUB - 1, 1), ks]
         later = tok >= (j + 1) * SUB
         rel = jnp.where(later, q * jnp.exp(jnp.where(later, b - anchor, 0.0)), 0.0)
-        out = out + jnp.where(_in_sub(tok, j), _t_dot_f32(da, rel, dt), 0.0)
+        out = out + jnp.where(_in_sub(tok, j), _accurate(da, rel, "tn", dt), 0.0)
     return out * jnp.exp(_per_sub_rows(b_ref, SUB - 1, ks, c) - b)
 
 
@@ -342,7 +314,7 @@ def _intra_kernel(flag_ref, q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGe
             b = b_ref[:, ks]
             if bounded:
                 to_ref, from_ref = _chunk_factors(b, b_ref, ks)
-                return acc + _dot_t((q * to_ref).astype(dt), (k * from_ref).astype(dt))
+                return acc + product((q * to_ref).astype(dt), (k * from_ref).astype(dt), "nt")
             return (acc + _sub_chunk_scores(q, k, b, b_ref, ks, dt)
                     + _exact_diagonal_scores(q, b, k_ref, b_ref, ks))
 
@@ -409,7 +381,7 @@ def _inter_sum(x_ref, b_ref, w_ref, states_ref, vs, geo: ChunkGeometry, *, to_ch
         x = x_ref[:, ks]
         xw = (x.astype(jnp.float32) * weight).astype(x.dtype)
         st = states_ref[ks, vs].astype(x.dtype)  # [BK, BV]
-        return acc + _dot(xw, st)
+        return acc + product(xw, st)
 
     return lax.fori_loop(0, geo.key_dim // geo.block_k, over_k,
                          jnp.zeros((c, geo.block_v), jnp.float32))
@@ -418,7 +390,7 @@ def _inter_sum(x_ref, b_ref, w_ref, states_ref, vs, geo: ChunkGeometry, *, to_ch
 def _output_kernel(q_ref, b_ref, reach_ref, a_ref, v_ref, h_ref, o_ref, *, geo: ChunkGeometry):
     vs = pl.ds(0, geo.block_v)
     v = v_ref[...]  # [C, BV]
-    intra = _dot(a_ref[...].astype(v.dtype), v)
+    intra = product(a_ref[...].astype(v.dtype), v)
     inter = _inter_sum(q_ref, b_ref, reach_ref, h_ref, vs, geo, to_chunk_end=False)
     o_ref[...] = ((intra + inter) * geo.scale).astype(o_ref.dtype)
 
@@ -463,7 +435,7 @@ def _da_kernel(do_ref, v_ref, seg_ref, da_ref, *, geo: ChunkGeometry):
 
     def over_v(vb, acc):
         vs = pl.ds(vb * bv, bv)
-        return acc + _dot_t(do_ref[:, vs], v_ref[:, vs])
+        return acc + product(do_ref[:, vs], v_ref[:, vs], "nt")
 
     da = lax.fori_loop(0, geo.value_dim // bv, over_v,
                        jnp.zeros((geo.chunk, geo.chunk), jnp.float32))
@@ -492,11 +464,11 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref,
         h, dh = h_ref[:, vs], dh_ref[:, vs]  # [BK, BV] as stored
         do, v = do_ref[:, vs], v_ref[:, vs]  # [C, BV]
         if geo.exact_inter:
-            dq = dq + _dot_t_f32(do, h, dt)
-            dk = dk + _dot_t_f32(v, dh, dt)
+            dq = dq + _accurate(do, h, "nt", dt)
+            dk = dk + _accurate(v, dh, "nt", dt)
         else:
-            dq = dq + _dot_t(do, h.astype(do.dtype))
-            dk = dk + _dot_t(v, dh.astype(v.dtype))
+            dq = dq + product(do, h.astype(do.dtype), "nt")
+            dk = dk + product(v, dh.astype(v.dtype), "nt")
         hdh = hdh + jnp.sum(h.astype(jnp.float32) * dh.astype(jnp.float32), axis=1)[None, :]
         return dq, dk, hdh
 
@@ -524,8 +496,8 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref,
     # pass rule.
     def bounded():
         to_ref, from_ref = _chunk_factors(b, b_ref, ks)
-        return (to_ref * _dot_f32(da, k * from_ref, dt),
-                from_ref * _t_dot_f32(da, q * to_ref, dt))
+        return (to_ref * _accurate(da, k * from_ref, "nn", dt),
+                from_ref * _accurate(da, q * to_ref, "tn", dt))
 
     def exact():
         return (_sub_chunk_dq(da, k, b, b_ref, ks, dt)
@@ -544,8 +516,8 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref,
     tok, col = _token_ids(c)
     later = (col >= tok).astype(jnp.float32)  # [C, C]: s >= t
     earlier = (col < tok).astype(jnp.float32)
-    dg = (_dot_f32(later, q * dq - k * dk_intra, dt) + _dot_f32(earlier, k * dk_inter, dt)
-          + decay * hdh)
+    dg = (_accurate(later, q * dq - k * dk_intra, "nn", dt)
+          + _accurate(earlier, k * dk_inter, "nn", dt) + decay * hdh)
     if start_ref is not None:
         # the first token of a later segment: the reset ignores its gate
         dg = dg * (1.0 - start_ref[...][:, None])
@@ -588,7 +560,7 @@ def chunk_dqk(q, k, v, do, b, da, reach, last, start, keep, states, dstates, bou
 def _dv_kernel(k_ref, b_ref, last_ref, a_ref, do_ref, dh_ref, dv_ref, *, geo: ChunkGeometry):
     vs = pl.ds(0, geo.block_v)
     do = do_ref[...]  # [C, BV]
-    intra = _t_dot(a_ref[...].astype(do.dtype), do) * geo.scale
+    intra = product(a_ref[...].astype(do.dtype), do, "tn") * geo.scale
     inter = _inter_sum(k_ref, b_ref, last_ref, dh_ref, vs, geo, to_chunk_end=True)
     dv_ref[...] = (intra + inter).astype(dv_ref.dtype)
 
