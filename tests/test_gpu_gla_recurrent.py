@@ -1,5 +1,5 @@
 """The GPU decoding kernel of the GLA recurrence (pallas_gpu_recurrent.py): interpret-mode parity
-against a float64 NumPy loop on CPU, lowering to Triton IR for a Hopper target without a GPU,
+against the float64 token-by-token reference on CPU, lowering to Triton IR for a Hopper target without a GPU,
 and parity on a CUDA GPU (marker gpu)."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from gla_tpu.ops.attention.pallas_gpu_target import hopper_target
 from gla_tpu.ops.gla.pallas_gpu_recurrent import block_v, recurrent_forward
+from gla_tpu.ops.gla.reference import gla_recurrent_reference
+from gla_tpu.testing.tolerance import relative_rms_error
 
 # jax 0.11.2 deprecates the Pallas Triton lowering (docs/gpu_backend.md says why we still use it);
 # the warning is raised at every lowering, which this strict environment would turn into errors.
@@ -32,26 +33,6 @@ def _inputs(key, bsz, tokens, heads, key_dim, value_dim, *, dtype, strength, ini
     return q, k, v, g, s0
 
 
-def _reference(q, k, v, g, s0, scale):
-    """float64 loop: S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t, o_t = scale q_t S_t."""
-    q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, g))
-    bsz, tokens, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    s = (np.zeros((bsz, heads, key_dim, value_dim)) if s0 is None
-         else np.asarray(s0, np.float64).copy())
-    o = np.zeros((bsz, tokens, heads, value_dim))
-    for t in range(tokens):
-        s = (np.exp(g[:, t])[..., None] * s
-             + k[:, t][..., :, None] * v[:, t][..., None, :])  # [B, H, K, V]
-        o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], s)
-    return o, s
-
-
-def _rel_rms(got, want):
-    got = np.asarray(got, np.float64)
-    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
-
-
 def _check(key, bsz, tokens, heads, key_dim, value_dim, *, dtype, strength, initial_state,
            interpret, tol):
     q, k, v, g, s0 = _inputs(key, bsz, tokens, heads, key_dim, value_dim, dtype=dtype,
@@ -61,8 +42,9 @@ def _check(key, bsz, tokens, heads, key_dim, value_dim, *, dtype, strength, init
     o, final = fn(q, k, v, g, s0)
     assert o.shape == v.shape and o.dtype == v.dtype
     assert final.shape == (bsz, heads, key_dim, value_dim) and final.dtype == jnp.float32
-    want_o, want_final = _reference(q, k, v, g, s0, scale)  # on the dtype-rounded inputs
-    err_o, err_final = _rel_rms(o, want_o), _rel_rms(final, want_final)
+    want_o, want_final = gla_recurrent_reference(  # float64, on the dtype-rounded inputs
+        q, k, v, g, scale=scale, initial_state=s0, output_final_state=True)
+    err_o, err_final = relative_rms_error(o, want_o), relative_rms_error(final, want_final)
     assert err_o <= tol, f"o: relative RMS error {err_o:.3g} > {tol}"
     assert err_final <= tol, f"final: relative RMS error {err_final:.3g} > {tol}"
 
