@@ -66,7 +66,7 @@ def _mask(geo: Geometry, q_pos, k_pos, q_seg, k_seg, *, check_len: bool):
     return mask
 
 
-def _kv_blocks_for_query_tile(geo: Geometry, q_start, block_q: int, block_kv: int):
+def kv_blocks_for_query_tile(geo: Geometry, q_start, block_q: int, block_kv: int):
     """(full, hi): key blocks [0, full) are visible to every query of the tile, [full, hi) partly."""
     n_kv = geo.padded_kv // block_kv
     n_unpadded = geo.kv_len // block_kv
@@ -127,7 +127,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         acc = alpha[:, None] * acc + product(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    full, hi = _kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
+    full, hi = kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     carry = lax.fori_loop(0, full, functools.partial(body, False), carry)
@@ -163,7 +163,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         ds = p * (product(do, v, "nt") - delta)
         return dq + product(ds.astype(k.dtype), k)
 
-    full, hi = _kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
+    full, hi = kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
     dq = jnp.zeros(q.shape, jnp.float32)
     dq = lax.fori_loop(0, full, functools.partial(body, False), dq)
     dq = lax.fori_loop(full, hi, functools.partial(body, True), dq)

@@ -1,0 +1,294 @@
+"""Flash attention forward for Hopper in Pallas Mosaic GPU: wgmma, TMA and warp specialization.
+
+One block per (query tile, head, batch); a tile is 2 x block_q query rows. The block runs three
+warpgroups:
+- two consumers, one per block_q rows: S = Q K^T on the tensor cores (wgmma), online softmax in
+  registers, O += P V (wgmma); they take turns on the tensor cores (a two-party barrier, "ping-pong"
+  as in FlashAttention-3) so one's softmax overlaps the other's matmuls;
+- one producer: copies K and V blocks of the tile's kv head into a ring of `stages` shared-memory
+  slots with the TMA unit, and refills a slot once both consumers have released it.
+
+Outputs match the Triton forward exactly in meaning, so the Triton backward consumes them: o in
+q's dtype and the base-2 log-sum-exp lse [B, H, Tp] (0 for a row that sees no key, whose o is 0).
+Causal masking is bottom-right (key j visible to query i iff j <= i + S - T); keys at or past the
+true S are masked. Segment ids, float32 and head dims other than 64 / 128 take the Triton forward
+(`unsupported_reason`). docs/gpu_backend.md has the design and the measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gla_tpu.ops.attention.pallas_gpu_kernels import Geometry, kv_blocks_for_query_tile
+
+LOG2E = math.log2(math.e)
+CONSUMERS = 2  # consumer warpgroups per block
+SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
+# alignment padding Mosaic GPU adds to the buffers below: it reported 232568 bytes for tiles
+# (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
+ALLOCATION_SLACK = 2560
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTiles:
+    """Tiles of the Mosaic GPU forward (performance only)."""
+
+    block_q: int = 64  # query rows per consumer warpgroup: a block covers 2 * block_q rows
+    block_kv: int = 128  # keys per pipeline step
+    stages: int = 2  # K/V shared-memory slots in flight
+
+    def __post_init__(self):
+        if self.block_q not in (64, 128):  # wgmma rows per warpgroup: multiples of 64
+            raise ValueError(f"ForwardTiles.block_q={self.block_q!r} must be 64 or 128.")
+        if self.block_kv not in (64, 128, 192, 256):
+            raise ValueError(
+                f"ForwardTiles.block_kv={self.block_kv!r} must be one of 64, 128, 192, 256.")
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"ForwardTiles.stages={self.stages!r} must be one of 2, 3, 4.")
+
+    @property
+    def query_multiple(self) -> int:
+        return CONSUMERS * self.block_q
+
+    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of one block: q/o tiles, lse rows, the K/V ring and the barriers."""
+        q_o = CONSUMERS * self.block_q * head_dim * itemsize
+        lse = CONSUMERS * self.block_q * 4
+        kv_ring = 2 * self.stages * self.block_kv * head_dim * itemsize
+        barriers = 8 * (CONSUMERS + 4 * self.stages + 1)
+        return q_o + lse + kv_ring + barriers + ALLOCATION_SLACK
+
+
+def check_tiles(tiles: ForwardTiles, head_dim: int) -> None:
+    """ValueError when the tiles do not fit in a Hopper block's shared memory at this head dim."""
+    need = tiles.shared_memory_bytes(head_dim)
+    if need > SHARED_MEMORY_BYTES:
+        raise ValueError(
+            f"BlockSizes.mosaic_forward={tiles} needs {need} bytes of shared memory at head dim "
+            f"{head_dim}; a Hopper block has {SHARED_MEMORY_BYTES}. Use fewer stages or a smaller "
+            "block_kv.")
+
+
+def unsupported_reason(head_dim: int, dtype, has_segments: bool) -> str | None:
+    """Why this forward cannot take a problem (None when it can)."""
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} (it takes {HEAD_DIMS})"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
+    if has_segments:
+        return "segment_ids"
+    return None
+
+
+def _take_turn(turn):
+    """Rendezvous of the two consumers on the tensor-core turn barrier."""
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+
+def _row_broadcast(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place: bool):
+    (q_ref, o_ref, lse_ref, qo_smem, lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+     k_free, v_free, turn, batch, head, tile_base, wg) = refs
+    bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
+    dtype = q_ref.dtype
+    scale2 = geo.sm_scale * LOG2E  # logits in base 2: p = exp2(s * scale2 - m)
+    check_len = geo.kv_len != geo.padded_kv
+    q_base = tile_base + wg * bq
+    full, hi = kv_blocks_for_query_tile(geo, q_base, bq, bkv)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_ready)
+    plgpu.barrier_wait(q_ready)
+
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
+    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
+    acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def slot_of(step):
+        return lax.rem(step, jnp.int32(tiles.stages))
+
+    def step_fn(masked: bool, step, carry):
+        acc, m, l = carry
+        slot = slot_of(step)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def scores(s_ref):  # s = q k^T, [bq, bkv] float32
+            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            _take_turn(turn)
+            return s_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        s = s * scale2
+        if masked:
+            q_pos = q_base + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
+                                                    layout=plgpu.Layout.WGMMA)
+            k_pos = step * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
+                                                        layout=plgpu.Layout.WGMMA)
+            visible = None
+            if geo.causal:
+                visible = k_pos <= q_pos + geo.offset
+            if check_len:
+                in_range = k_pos < geo.kv_len
+                visible = in_range if visible is None else jnp.logical_and(visible, in_range)
+            if visible is not None:
+                s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        # a row that has seen no key keeps max -inf: shift it by 0 so exp2 gives 0, not NaN
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - m_shift)
+        p = jnp.exp2(s - _row_broadcast(m_shift, s.shape))
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc = acc * _row_broadcast(alpha, acc.shape)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(turn)
+
+        if in_place:  # O += P V in the accumulator registers
+            def accumulate(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+        else:  # GPU interpret mode runs neither ACC.init nor wgmma from registers
+            acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+    def release_only(step, carry):
+        """A step the other consumer needs and this one does not: free its slots, keep turns.
+
+        It still waits for the loads, so that each consumer sees every phase of every barrier."""
+        slot = slot_of(step)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        _take_turn(turn)
+        _take_turn(turn)
+        return carry
+
+    pl.when(wg == 1)(lambda: _take_turn(turn))  # consumer 1 starts one turn behind consumer 0
+    carry = lax.fori_loop(0, full, lambda i, c: step_fn(False, i, c), (acc, m, l))
+    acc, m, l = lax.fori_loop(full, hi, lambda i, c: step_fn(True, i, c), carry)
+    lax.fori_loop(hi, tile_steps, release_only, None)
+    pl.when(wg == 0)(lambda: _take_turn(turn))
+
+    seen = l > 0.0
+    l_safe = jnp.where(seen, l, 1.0)
+    o = acc * _row_broadcast(1.0 / l_safe, acc.shape)
+    qo_smem[...] = o.astype(dtype)
+    lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), 0.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[batch, pl.ds(q_base, bq), head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _producer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps):
+    (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head) = refs
+    bkv = tiles.block_kv
+    kv_head = lax.div(head, jnp.int32(geo.group))
+
+    def load(step, slot):
+        rows = (batch, pl.ds(step * bkv, bkv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+    for step in range(tiles.stages):  # fill the ring
+        pl.when(step < tile_steps)(lambda step=step: load(jnp.int32(step), step))
+
+    def refill(step, _):
+        slot = lax.rem(step, jnp.int32(tiles.stages))
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(step, slot)
+
+    lax.fori_loop(tiles.stages, tile_steps, refill, None)
+
+    def drain(step, _):  # the last releases: every thread sees every phase of its barriers
+        slot = lax.rem(step, jnp.int32(tiles.stages))
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+    lax.fori_loop(jnp.maximum(tile_steps - tiles.stages, 0), tile_steps, drain, None)
+
+
+def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):
+    """q [B, Tp, H, D], k/v [B, Sp, Hkv, D] -> (o [B, Tp, H, D], lse [B, H, Tp] float32).
+
+    Tp must be a multiple of 2 * block_q and Sp of block_kv (pallas_gpu.py pads).
+    """
+    b, tp, h, d = q.shape
+    bq, bkv = tiles.block_q, tiles.block_kv
+    n_tiles = tp // tiles.query_multiple
+    if tp % tiles.query_multiple or k.shape[1] % bkv:
+        raise ValueError(f"padded lengths {tp}, {k.shape[1]} must be multiples of "
+                         f"{tiles.query_multiple}, {bkv}")
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, lse_smem2, k_smem, v_smem,
+             q_ready, k_ready, v_ready, k_free, v_free, turn):
+        tile = lax.axis_index("tile")
+        if geo.causal:  # the longest tiles (most keys) first
+            tile = n_tiles - 1 - tile
+        batch, head, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
+        tile_base = tile * tiles.query_multiple
+        # steps of the tile = those of its last consumer, which sees the most keys
+        _, tile_steps = kv_blocks_for_query_tile(geo, tile_base + bq, bq, bkv)
+
+        @pl.when(wg < CONSUMERS)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+            refs = (q_ref, o_ref, lse_ref, qo_smem2.at[wg], lse_smem2.at[wg], k_smem, v_smem,
+                    q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn, batch, head,
+                    tile_base, wg)
+            _consumer(refs, geo=geo, tiles=tiles, tile_steps=tile_steps, in_place=not interpret)
+
+        @pl.when(wg == CONSUMERS)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+            refs = (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head)
+            _producer(refs, geo=geo, tiles=tiles, tile_steps=tile_steps)
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [
+        plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=swizzled),  # q, then o
+        plgpu.SMEM((CONSUMERS, bq), jnp.float32),  # lse
+        plgpu.SMEM((tiles.stages, bkv, d), k.dtype, transforms=swizzled),
+        plgpu.SMEM((tiles.stages, bkv, d), v.dtype, transforms=swizzled),
+        plgpu.Barrier(num_barriers=CONSUMERS),  # q_ready
+        plgpu.Barrier(num_barriers=tiles.stages),  # k_ready
+        plgpu.Barrier(num_barriers=tiles.stages),  # v_ready
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=tiles.stages),  # k_free
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=tiles.stages),  # v_free
+        plgpu.Barrier(num_arrivals=CONSUMERS),  # turn
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
+        scratch_types=scratch,
+        grid=(n_tiles, h, b),
+        grid_names=("tile", "head", "batch"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    with jax.named_scope(f"flash_fwd_mosaic_block_q={bq}_block_kv={bkv}"):
+        o, lse = kernel(q, k, v)
+    return o, lse

@@ -1,0 +1,165 @@
+"""The Mosaic GPU flash attention forward (Hopper): parity in GPU interpret mode on CPU (which
+also simulates the barriers and the TMA copies, and checks that every warpgroup sees every
+barrier phase), a race check, lowering for CUDA, errors and kernel selection; parity on an
+H100/H200 under marker gpu."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gla_tpu import ops
+from gla_tpu.ops.attention import mosaic_gpu_forward, pallas_gpu
+from gla_tpu.ops.attention.mosaic_gpu_forward import ForwardTiles
+from gla_tpu.ops.attention.pallas_gpu import BlockSizes
+from gla_tpu.ops.attention.pallas_gpu_kernels import Geometry
+from gla_tpu.ops.attention.pallas_gpu_target import hopper_target
+from gla_tpu.ops.attention.validation import validate_attention
+from gla_tpu.ops.common.gating import pad_time
+from gla_tpu.testing.parity import check_attention_parity
+from gla_tpu.testing.problems import AttentionCase
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+# small Triton tiles for the backward in interpret mode; the forward is the Mosaic GPU kernel
+MOSAIC = BlockSizes(32, 16, 32, 16, 16, 32, forward_kernel="mosaic_gpu",
+                    mosaic_forward=ForwardTiles(64, 64, 2))
+
+
+@pytest.mark.parametrize("case,tiles", [
+    # rows 0..69 see no key (T > S, bottom-right causal): o = 0, lse = 0
+    (AttentionCase(1, 200, 130, 4, 2, 64, causal=True), ForwardTiles(64, 64, 2)),
+    # padded keys, GQA, one tile
+    (AttentionCase(2, 70, 150, 2, 1, 128, causal=False), ForwardTiles(64, 64, 2)),
+    # several tiles and a ring that wraps: consumer 0 releases the steps only consumer 1 needs
+    (AttentionCase(1, 300, 300, 2, 2, 64, causal=True), ForwardTiles(64, 64, 3)),
+    (AttentionCase(1, 260, 390, 2, 2, 64, causal=True), ForwardTiles(128, 128, 2)),
+], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_interpret_parity(case, tiles, dtype):
+    sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
+    check_attention_parity(case, jax.random.key(4), dtype=dtype, backend="pallas_gpu",
+                           interpret=True, block_sizes=sizes)
+
+
+def test_interpret_no_races():
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    tiles = ForwardTiles(64, 64, 2)
+    t, s, d = 200, 256, 64
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (1, t, 2, d), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, s, 1, d), jnp.bfloat16) for key in keys[1:])
+    geo = Geometry(q_len=t, kv_len=s, padded_q=256, padded_kv=256, group=2, causal=True,
+                   offset=s - t, sm_scale=d**-0.5, has_segments=False)
+    o, lse = mosaic_gpu_forward.forward(
+        pad_time(q, 128), k, v, geo=geo, tiles=tiles,
+        interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready((o, lse))
+    assert not gpu_interpret.get_races().races_found
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
+def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
+    q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
+    sizes = dataclasses.replace(pallas_gpu.default_block_sizes(head_dim, jnp.bfloat16),
+                                forward_kernel="mosaic_gpu")
+
+    def loss(q, k, v):
+        o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes)
+        return jnp.sum(o.astype(jnp.float32))
+
+    with hopper_target():
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1  # the forward
+    assert text.count("xla.gpu.triton") == 2  # dq, dkv
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=256), "head dim 256"),
+    (dict(dtype=jnp.float32), "float32"),
+    (dict(segments=True), "segment_ids"),
+])
+def test_forced_mosaic_refuses_what_it_cannot_take(kwargs, match):
+    head_dim = kwargs.get("head_dim", 64)
+    x = jnp.ones((1, 16, 2, head_dim), kwargs.get("dtype", jnp.bfloat16))
+    seg = jnp.zeros((1, 16), jnp.int32)
+    with pytest.raises(NotImplementedError, match=match):
+        ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True,
+                            segment_ids=(seg, seg) if kwargs.get("segments") else None,
+                            block_sizes=BlockSizes(forward_kernel="mosaic_gpu"))
+
+
+def test_tiles_validate():
+    with pytest.raises(ValueError, match="forward_kernel"):
+        BlockSizes(forward_kernel="cudnn")
+    with pytest.raises(ValueError, match="mosaic_forward"):
+        BlockSizes(mosaic_forward=(64, 128, 2))
+    with pytest.raises(ValueError, match="block_q"):
+        ForwardTiles(block_q=32)
+    with pytest.raises(ValueError, match="block_kv"):
+        ForwardTiles(block_kv=96)
+    with pytest.raises(ValueError, match="stages"):
+        ForwardTiles(stages=1)
+    x = jnp.ones((1, 16, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):  # 3 stages of 128 keys at D=128
+        ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True, block_sizes=BlockSizes(
+            forward_kernel="mosaic_gpu", mosaic_forward=ForwardTiles(64, 128, 3)))
+
+
+def _problem(head_dim=128, dtype=jnp.bfloat16, segments=False):
+    x = jnp.ones((1, 256, 2, head_dim), dtype)
+    seg = jnp.zeros((1, 256), jnp.int32)
+    problem, _, _ = validate_attention(x, x, x, causal=True, sm_scale=None,
+                                       segment_ids=(seg, seg) if segments else None)
+    return problem
+
+
+def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
+    sizes = BlockSizes()
+    monkeypatch.setattr(pallas_gpu, "_is_hopper", lambda: True)
+    assert pallas_gpu.mosaic_forward_tiles(_problem(), sizes, False) == sizes.mosaic_forward
+    assert pallas_gpu.mosaic_forward_tiles(_problem(), sizes, True) is None  # interpret: Triton
+    assert pallas_gpu.mosaic_forward_tiles(_problem(256), sizes, False) is None
+    assert pallas_gpu.mosaic_forward_tiles(_problem(dtype=jnp.float32), sizes, False) is None
+    assert pallas_gpu.mosaic_forward_tiles(_problem(segments=True), sizes, False) is None
+    triton = BlockSizes(forward_kernel="triton")
+    assert pallas_gpu.mosaic_forward_tiles(_problem(), triton, False) is None
+    monkeypatch.setattr(pallas_gpu, "_is_hopper", lambda: False)
+    assert pallas_gpu.mosaic_forward_tiles(_problem(), sizes, False) is None
+
+
+GPU_CASES = [
+    AttentionCase(2, 4096, 4096, 8, 8, 128, causal=True),
+    AttentionCase(2, 4096, 4096, 8, 2, 128, causal=False),
+    AttentionCase(1, 4096, 4096, 8, 8, 64, causal=True),
+    AttentionCase(2, 1000, 1500, 4, 1, 128, causal=True),
+    AttentionCase(2, 1500, 1000, 4, 2, 64, causal=True),
+    AttentionCase(1, 777, 1029, 4, 4, 64, causal=False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_gpu_parity(case, dtype):
+    sizes = dataclasses.replace(pallas_gpu.default_block_sizes(case.head_dim, dtype),
+                                forward_kernel="mosaic_gpu")
+    check_attention_parity(case, jax.random.key(6), dtype=dtype, backend="pallas_gpu",
+                           block_sizes=sizes)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_mosaic_on_hopper():
+    problem = _problem()
+    sizes = pallas_gpu.default_block_sizes(128, jnp.bfloat16)
+    expected = sizes.mosaic_forward if pallas_gpu._is_hopper() else None
+    assert pallas_gpu.mosaic_forward_tiles(problem, sizes, False) == expected
