@@ -122,7 +122,12 @@ def fwd_bwd(fn, ct):
 def attention_impls(causal, d):
     """name -> jax function (q, k, v) -> o, all in [B, T, H, D]."""
     from gla_tpu import ops
+    from gla_tpu.ops.attention.pallas_gpu import default_block_sizes
 
+    # ours as shipped (on Hopper at D 64 / 128: the Mosaic GPU forward), and with the Triton
+    # forward forced (forward only: the backward kernels are the same), to show what each brings
+    triton_forward = dataclasses.replace(default_block_sizes(d, jnp.bfloat16),
+                                         forward_kernel="triton")
     impls = {
         "ours_pallas_gpu": lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
                                                                backend="pallas_gpu"),
@@ -131,6 +136,9 @@ def attention_impls(causal, d):
         "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                             implementation="xla"),
     }
+    if d in (64, 128):  # elsewhere ours is the Triton forward already
+        impls["ours_triton_forward"] = lambda q, k, v: ops.flash_attention(
+            q, k, v, causal=causal, backend="pallas_gpu", block_sizes=triton_forward)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import attention as jax_pallas
@@ -163,6 +171,8 @@ def bench_attention(ctx, shapes, modes):
                            error=f"output differs from ours: rel err {err:.2e}")
                     continue
                 for mode in modes:
+                    if mode != "fwd" and name == "ours_triton_forward":
+                        continue
                     f = fn if mode == "fwd" else fwd_bwd(fn, ct)
                     flops = attention_flops(b, t, t, h, d, causal=causal,
                                             backward=mode == "fwd+bwd")
