@@ -33,6 +33,8 @@ MOSAIC = BlockSizes(32, 16, 32, 16, 16, 32, forward_kernel="mosaic_gpu",
 @pytest.mark.parametrize("case,tiles", [
     # rows 0..69 see no key (T > S, bottom-right causal): o = 0, lse = 0
     (AttentionCase(1, 200, 130, 4, 2, 64, causal=True), ForwardTiles(64, 64, 2)),
+    # whole tiles with no key to see (rows 0..259): no load, no step, the turns still pair up
+    (AttentionCase(1, 300, 40, 2, 1, 64, causal=True), ForwardTiles(64, 64, 2)),
     # padded keys, GQA, one tile
     (AttentionCase(2, 70, 150, 2, 1, 128, causal=False), ForwardTiles(64, 64, 2)),
     # several tiles and a ring that wraps: consumer 0 releases the steps only consumer 1 needs
