@@ -26,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu_kernels import Geometry, kv_blocks_for_query_tile
+from gla_tpu.ops.attention.pallas_gpu_kernels import (Geometry, kv_blocks_for_query_tile,
+                                                      visibility_mask)
 
 LOG2E = math.log2(math.e)
 CONSUMERS = 2  # consumer warpgroups per block
@@ -138,12 +139,7 @@ def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place:
                                                     layout=plgpu.Layout.WGMMA)
             k_pos = step * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
                                                         layout=plgpu.Layout.WGMMA)
-            visible = None
-            if geo.causal:
-                visible = k_pos <= q_pos + geo.offset
-            if check_len:
-                in_range = k_pos < geo.kv_len
-                visible = in_range if visible is None else jnp.logical_and(visible, in_range)
+            visible = visibility_mask(geo, q_pos, k_pos, None, None, check_len=check_len)
             if visible is not None:
                 s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))

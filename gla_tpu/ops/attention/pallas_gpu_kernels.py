@@ -54,7 +54,7 @@ def _div_nonneg(x, d: int):
     return lax.div(jnp.maximum(x, 0), d)
 
 
-def _mask(geo: Geometry, q_pos, k_pos, q_seg, k_seg, *, check_len: bool):
+def visibility_mask(geo: Geometry, q_pos, k_pos, q_seg, k_seg, *, check_len: bool):
     """Visibility of broadcastable positions (rank 2 each); None when everything is visible."""
     mask = None
     if geo.causal or q_seg is not None:
@@ -115,7 +115,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
-            vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
+            vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
             s = s if vis is None else jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # a row that has seen no key yet keeps max -inf; shift it by 0 so exp2 gives 0, not NaN
@@ -158,7 +158,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
-            vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
+            vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
             p = p if vis is None else jnp.where(vis, p, 0.0)
         ds = p * (product(do, v, "nt") - delta)
         return dq + product(ds.astype(k.dtype), k)
@@ -192,7 +192,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
             q_pos = (qb * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]
             q_seg = qseg_ref[q_slice][None, :] if geo.has_segments else None
             # keys past kv_len only produce rows of dk, dv that are sliced away: no length check
-            vis = _mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
+            vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
             pt = pt if vis is None else jnp.where(vis, pt, 0.0)
         dv = dv + product(pt.astype(do.dtype), do)
         dst = pt * (product(v, do, "nt") - delta)
