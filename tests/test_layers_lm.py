@@ -1,5 +1,5 @@
 """The LM: decoding equals the full forward for every attention kind, packed sequences, gradients,
-jit / grad / vmap, sharded parameters, and the AdamW step."""
+jit / grad / vmap, sharded parameters, and the optax AdamW step."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gla_tpu.layers import block, lm, optim
+from gla_tpu.layers import block, lm, training
 from gla_tpu.testing import assert_pass_rule, relative_rms_error
 from gla_tpu.testing.tolerance import FLOAT32_MAX_RELATIVE_RMS
 
@@ -156,26 +157,28 @@ def test_sharded_parameters_on_four_cpu_devices(kind):
 
 
 def test_adamw_step_matches_formula_and_training_lowers_loss():
-    cfg = optim.Config(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=None)
+    tx = training.adamw(0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=None)
     params = {"w": jnp.array([[1.0, -2.0]]), "b": jnp.array([0.5])}
     grads = {"w": jnp.array([[0.1, 0.2]]), "b": jnp.array([-0.3])}
-    new, state = optim.update(params, grads, optim.init(params), 0.01, cfg)
+    updates, state = tx.update(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
     # First step: m_hat = g, v_hat = g^2, so the update is lr * (sign(g) + wd * p) (p matrices).
     np.testing.assert_allclose(new["w"], [[1.0 - 0.01 * (1 + 0.1), -2.0 - 0.01 * (1 - 0.2)]],
                                rtol=1e-6)
     np.testing.assert_allclose(new["b"], [0.5 + 0.01], rtol=1e-6)
-    assert int(state["count"]) == 1
+    assert int(optax.tree_utils.tree_get(state, "count")) == 1
 
     model = _config("simple_gla")
     params = lm.init(jax.random.key(11), model)
-    opt = optim.init(params)
+    tx = training.adamw(3e-3)  # the defaults: clip 1.0, weight decay 0.1 on matrices
+    opt = tx.init(params)
     tokens = jnp.tile(jnp.arange(8, dtype=jnp.int32)[None], (B, 4))  # a periodic sequence
 
     @jax.jit
     def train_step(params, opt):
         loss, grads = jax.value_and_grad(functools.partial(_loss, cfg=model))(params, tokens)
-        params, opt = optim.update(params, grads, opt, 3e-3)
-        return params, opt, loss
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
 
     losses = []
     for _ in range(15):

@@ -14,7 +14,8 @@ Modules (each with Config / init / apply; the attention layers also init_state):
   mlp                     SwiGLU feed-forward
   block                   pre-norm block; attention kind "softmax" | "gla" | "simple_gla" | "linear"
   lm                      embedding, blocks, final norm, head; apply, decode_step, cross_entropy
-  optim                   AdamW in plain JAX
+  training                adamw(lr): optax AdamW with global-norm clipping, weight decay on
+                          rank >= 2 leaves (needs optax, the `train` extra)
   basic                   dense, rms_norm, rotary, segment_positions
 """
 
@@ -25,7 +26,7 @@ from gla_tpu.layers import (
     lm,
     mlp,
     multi_head_attention,
-    optim,
+    training,
 )
 from gla_tpu.layers.basic import (
     dense,
@@ -49,10 +50,10 @@ __all__ = [
     "lm",
     "mlp",
     "multi_head_attention",
-    "optim",
     "rms_norm",
     "rms_norm_init",
     "rotary",
     "segment_positions",
     "simple_gla_config",
+    "training",
 ]
