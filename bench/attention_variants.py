@@ -18,7 +18,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from bench import flops as flops_lib
+from gla_tpu.ops.common import flops as flops_lib
 from bench import harness
 from gla_tpu import ops
 from gla_tpu.testing import AttentionCase, GLACase, make_attention_inputs, make_gla_inputs

@@ -11,10 +11,9 @@ import json, os, sys, traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np, jax, jax.numpy as jnp
 from bench.gpu_side_by_side import time_jax, fwd_bwd, rel_err
-from bench.flops import attention_flops
+from gla_tpu.ops.common.flops import attention_flops
 from gla_tpu import ops
-from gla_tpu.ops.attention.pallas_gpu import default_block_sizes
-from gla_tpu.ops.attention.mosaic_gpu_forward import ForwardTiles
+from gla_tpu.ops.attention.pallas_gpu import ForwardTiles, default_block_sizes
 import dataclasses
 OUT = os.environ["OUT"]
 recs = []

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.flops import attention_flops  # noqa: E402
+from gla_tpu.ops.common.flops import attention_flops  # noqa: E402
 from bench.gpu_side_by_side import MATCH_TOLERANCE, fwd_bwd, time_jax, versions  # noqa: E402
 from bench.harness import environment, write_json  # noqa: E402
 from gla_tpu.ops.attention.pallas_gpu import BlockSizes, default_block_sizes  # noqa: E402

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.flops import gla_flops  # noqa: E402
+from gla_tpu.ops.common.flops import gla_flops  # noqa: E402
 from bench.gpu_side_by_side import (  # noqa: E402
     GLA_SHAPES, Context, environment, fwd_bwd, gla_inputs, ours_gla, record, time_jax, versions,
     write_outputs)
@@ -37,15 +37,15 @@ VARIANTS = {  # name -> ChunkGeometry fields replaced
 
 @contextlib.contextmanager
 def geometry_changed(**fields):
-    """pallas_gpu.chunk_geometry with `fields` replaced, for the duration."""
-    from gla_tpu.ops.gla import pallas_gpu
+    """The GPU GLA entry's chunk_geometry with `fields` replaced, for the duration."""
+    from gla_tpu.ops.gla.pallas_gpu import entry
 
-    original = pallas_gpu.chunk_geometry
-    pallas_gpu.chunk_geometry = lambda *a, **kw: dataclasses.replace(original(*a, **kw), **fields)
+    original = entry.chunk_geometry
+    entry.chunk_geometry = lambda *a, **kw: dataclasses.replace(original(*a, **kw), **fields)
     try:
         yield
     finally:
-        pallas_gpu.chunk_geometry = original
+        entry.chunk_geometry = original
 
 
 def main(argv=None):
@@ -55,7 +55,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     args = parser.parse_args(argv)
-    from gla_tpu.ops.gla import pallas_gpu
+    from gla_tpu.ops.gla.pallas_gpu import plan
 
     env = environment()
     env["versions"] = versions()
@@ -69,7 +69,7 @@ def main(argv=None):
         ct = jnp.asarray(rng.standard_normal((b, t, h, vd), np.float32))
         for name in args.variants.split(","):
             fields = VARIANTS[name]
-            if fields.get("block_v", 0) in (vd, pallas_gpu.value_block(vd)) or (
+            if fields.get("block_v", 0) in (vd, plan.value_block(vd)) or (
                     fields.get("block_v", 0) > vd):
                 continue  # the default already, or wider than V
             with geometry_changed(**fields):

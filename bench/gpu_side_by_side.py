@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.flops import attention_flops, gla_flops  # noqa: E402
+from gla_tpu.ops.common.flops import attention_flops, gla_flops  # noqa: E402
 from bench.harness import environment, format_table, time_jitted, write_json  # noqa: E402
 
 ATTENTION_SHAPES = [  # (B, H, T, D, causal)
@@ -315,30 +315,30 @@ def bench_decode(ctx, b=64, h=16, kd=128, vd=128):
 def bench_gla_breakdown(ctx, b=4, t=4096, h=16, kd=128, vd=128):
     """Times each kernel of our chunked GLA alone (forward: state pass, intra scores, output;
     backward: reversed state pass, dA, dq/dk/dg, dv), to show where the time goes."""
-    from gla_tpu.ops.gla import pallas_gpu
-    from gla_tpu.ops.gla import pallas_gpu_kernels as kern
+    from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
+    from gla_tpu.ops.gla.pallas_gpu import kernels_intra, kernels_output, kernels_state, plan
 
     rng = np.random.default_rng(ctx.seed)
     q, k, v, g, _ = gla_inputs(rng, b, t, h, kd, vd)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    geo = pallas_gpu.chunk_geometry(t, kd, vd, scale=kd**-0.5, has_segments=False,
-                                    exact_inter=False)  # mode "chunk"
+    geo = plan.chunk_geometry(t, kd, vd, scale=kd**-0.5, has_segments=False,
+                              exact_inter=False)  # mode "chunk"
     do = jv
     stages = {
-        "gate_cumsum": lambda g: pallas_gpu.chunk_cumsum(g, geo.chunk),
-        "state_pass_fwd": lambda k, v, b: kern.state_pass(
+        "gate_cumsum": lambda g: chunk_local_cumsum(g, geo.chunk, method="triangular"),
+        "state_pass_fwd": lambda k, v, b: kernels_state.state_pass(
             k, v, b, None, None, None, geo=geo, reverse=False, interpret=False),
-        "bounded_flags": lambda b: kern.bounded_chunks(b, geo.chunk),
-        "intra_scores": lambda q, k, b, f: kern.intra_scores(q, k, b, None, f, geo=geo,
+        "bounded_flags": lambda b: kernels_intra.bounded_chunks(b, geo.chunk),
+        "intra_scores": lambda q, k, b, f: kernels_intra.intra_scores(q, k, b, None, f, geo=geo,
                                                              interpret=False),
-        "chunk_output": lambda q, b, a, v, s: kern.chunk_output(q, b, None, a, v, s, geo=geo,
+        "chunk_output": lambda q, b, a, v, s: kernels_output.chunk_output(q, b, None, a, v, s, geo=geo,
                                                                 interpret=False),
-        "state_pass_rev": lambda q, do, b, s: kern.state_pass(
+        "state_pass_rev": lambda q, do, b, s: kernels_state.state_pass(
             q, do, b, None, None, s, geo=geo, reverse=True, interpret=False),
-        "chunk_da": lambda do, v: kern.chunk_da(do, v, None, geo=geo, interpret=False),
-        "chunk_dqk": lambda q, k, v, do, b, da, s, ds, f: kern.chunk_dqk(
+        "chunk_da": lambda do, v: kernels_intra.chunk_da(do, v, None, geo=geo, interpret=False),
+        "chunk_dqk": lambda q, k, v, do, b, da, s, ds, f: kernels_intra.chunk_dqk(
             q, k, v, do, b, da, None, None, None, None, s, ds, f, geo=geo, interpret=False),
-        "chunk_dv": lambda k, b, a, do, ds: kern.chunk_dv(k, b, None, a, do, ds, geo=geo,
+        "chunk_dv": lambda k, b, a, do, ds: kernels_output.chunk_dv(k, b, None, a, do, ds, geo=geo,
                                                           interpret=False),
     }
     run = {name: jax.jit(fn) for name, fn in stages.items()}

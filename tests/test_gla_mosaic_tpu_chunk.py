@@ -17,9 +17,8 @@ import pytest
 
 from gla_tpu import ops
 from gla_tpu.ops.common import backends
-from gla_tpu.ops.gla import mosaic_tpu_chunk
+from gla_tpu.ops.gla.mosaic_tpu import BlockSizes
 from gla_tpu.ops.gla.reference import gla_reference
-from gla_tpu.ops.gla.validation import validate_gla
 from gla_tpu.testing.grads import outputs_and_grads
 from gla_tpu.testing.parity import check_gla_parity
 from gla_tpu.testing.problems import GLACase, make_gla_inputs
@@ -146,7 +145,7 @@ def test_bad_chunk_size_raises():
 
 def test_bad_block_v_raises():
     with pytest.raises(ValueError, match="block_v"):
-        mosaic_tpu_chunk.BlockSizes(block_v=96)
+        BlockSizes(block_v=96)
 
 
 def test_auto_falls_back_to_xla_for_unsupported_dims(monkeypatch):
@@ -168,12 +167,9 @@ def test_block_v_split_matches_whole():
     seg = inputs.pop("segment_ids")
 
     def run(block_v, q, k, v, g, initial_state):
-        problem, s0, ids = validate_gla(q, k, v, g, scale=None, initial_state=initial_state,
-                                        output_final_state=True, segment_ids=seg,
-                                        mode="fused_chunk", chunk_size=None)
-        return mosaic_tpu_chunk.chunked_gla(
-            q, k, v, g, problem=problem, initial_state=s0, segment_ids=ids, interpret=True,
-            block_sizes=mosaic_tpu_chunk.BlockSizes(block_v=block_v))
+        return ops.gla(q, k, v, g, initial_state=initial_state, output_final_state=True,
+                       segment_ids=seg, mode="fused_chunk", backend="mosaic_tpu", interpret=True,
+                       block_sizes=BlockSizes(block_v=block_v))
 
     key = jax.random.key(7)
     whole = outputs_and_grads(functools.partial(run, None), inputs, key)

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from gla_tpu import ops
-from gla_tpu.ops.gla import mosaic_tpu_recurrent as recurrent
+from gla_tpu.ops.gla.mosaic_tpu import BlockSizes
 from gla_tpu.ops.gla.reference import gla_reference
-from gla_tpu.ops.gla.validation import validate_gla
 from gla_tpu.testing.grads import outputs_and_grads
 from gla_tpu.testing.parity import check_gla_parity
 from gla_tpu.testing.problems import GLACase, make_gla_inputs
@@ -35,15 +34,10 @@ def _parity(case: GLACase, seed: int, dtype):
 
 def _direct(q, k, v, g=None, *, initial_state=None, output_final_state=False, segment_ids=None,
             block_sizes=None):
-    """The module's own entry point, as the dispatcher calls it (plus block sizes)."""
-    problem, s0, seg = validate_gla(
-        q, k, v, g, scale=None, initial_state=initial_state,
-        output_final_state=output_final_state, segment_ids=segment_ids, mode=MODE,
-        chunk_size=None,
-    )
-    recurrent.check_supported_recurrent(problem)
-    return recurrent.fused_recurrent(q, k, v, g, problem=problem, initial_state=s0,
-                                     segment_ids=seg, interpret=True, block_sizes=block_sizes)
+    """The public op with the backend's block sizes."""
+    return ops.gla(q, k, v, g, initial_state=initial_state, output_final_state=output_final_state,
+                   segment_ids=segment_ids, mode=MODE, backend="mosaic_tpu", interpret=True,
+                   block_sizes=block_sizes)
 
 
 def _direct_parity(case: GLACase, seed: int, dtype, block_sizes, inputs=None):
@@ -94,7 +88,7 @@ def test_decode_kernel_matches_time_blocked_path():
     inputs.pop("segment_ids")
     decode = _direct(**inputs, output_final_state=True)
     padded = _direct(**inputs, output_final_state=True,
-                     block_sizes=recurrent.RecurrentBlockSizes(block_h_decode=0))
+                     block_sizes=BlockSizes(block_h_decode=0))
     for a, b in zip(decode, padded):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
@@ -130,9 +124,9 @@ def test_long_odd_length():
     "kd, vd, block_sizes",
     [
         # V split over two blocks: dq, dk and dg come out as partial sums over V blocks.
-        (64, 256, recurrent.RecurrentBlockSizes(block_t=8, block_v=128)),
+        (64, 256, BlockSizes(block_t_recurrent=8, block_v_recurrent=128)),
         # K = 192 is zero-padded to 256 lanes, V = 64 takes the head-major copy.
-        (192, 64, recurrent.RecurrentBlockSizes(block_t=16)),
+        (192, 64, BlockSizes(block_t_recurrent=16)),
     ],
     ids=["v_blocks", "padded_k"],
 )
@@ -153,15 +147,16 @@ def test_unsupported_head_dims_name_constraint(dim):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(block_t=12), dict(block_t=-8), dict(block_v=0), dict(block_h_decode=2.0)],
+    [dict(block_t_recurrent=12), dict(block_t_recurrent=-8), dict(block_v_recurrent=0),
+     dict(block_h_decode=2.0)],
 )
 def test_invalid_block_sizes(kwargs):
     with pytest.raises(ValueError):
-        recurrent.RecurrentBlockSizes(**kwargs)
+        BlockSizes(**kwargs)
 
 
 def test_block_v_must_divide_value_dim():
     q = k = jnp.ones((1, 4, 1, 64))
     v = jnp.ones((1, 4, 1, 256))
-    with pytest.raises(ValueError, match="block_v"):
-        _direct(q, k, v, block_sizes=recurrent.RecurrentBlockSizes(block_v=384))
+    with pytest.raises(ValueError, match="block_v_recurrent"):
+        _direct(q, k, v, block_sizes=BlockSizes(block_v_recurrent=384))

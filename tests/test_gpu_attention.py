@@ -11,7 +11,7 @@ import pytest
 
 from gla_tpu import ops
 from gla_tpu.ops.attention.pallas_gpu import BlockSizes, default_block_sizes
-from gla_tpu.ops.attention.pallas_gpu_target import hopper_target
+from gla_tpu.testing.gpu_lowering import hopper_target
 from gla_tpu.testing.parity import check_attention_parity
 from gla_tpu.testing.problems import AttentionCase
 

@@ -12,13 +12,14 @@ import jax.numpy as jnp
 import pytest
 
 from gla_tpu import ops
-from gla_tpu.ops.attention import mosaic_gpu_forward, pallas_gpu
-from gla_tpu.ops.attention.mosaic_gpu_forward import ForwardTiles
+from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_forward as mosaic_gpu_forward
+from gla_tpu.ops.attention.pallas_gpu import plan as pallas_gpu
+from gla_tpu.ops.attention.pallas_gpu.plan import ForwardTiles
 from gla_tpu.ops.attention.pallas_gpu import BlockSizes
-from gla_tpu.ops.attention.pallas_gpu_kernels import Geometry
-from gla_tpu.ops.attention.pallas_gpu_target import hopper_target
+from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
+from gla_tpu.testing.gpu_lowering import hopper_target
 from gla_tpu.ops.attention.validation import validate_attention
-from gla_tpu.ops.common.gating import pad_time
+from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.testing.parity import check_attention_parity
 from gla_tpu.testing.problems import AttentionCase
 
@@ -163,5 +164,5 @@ def test_gpu_parity(case, dtype):
 def test_gpu_auto_picks_mosaic_on_hopper():
     problem = _problem()
     sizes = pallas_gpu.default_block_sizes(128, jnp.bfloat16)
-    expected = sizes.mosaic_forward if pallas_gpu._is_hopper() else None
+    expected = sizes.mosaic_forward if pallas_gpu.is_hopper() else None
     assert pallas_gpu.mosaic_forward_tiles(problem, sizes, False) == expected

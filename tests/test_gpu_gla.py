@@ -9,10 +9,11 @@ import pytest
 
 from gla_tpu import ops
 from gla_tpu.testing.parity import check_gla_parity
-from gla_tpu.ops.common.gating import chunk_local_cumsum, pad_time
-from gla_tpu.ops.gla import pallas_gpu_kernels as kernels
+from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
+from gla_tpu.ops.common.padding import pad_time
+from gla_tpu.ops.gla.pallas_gpu import kernels_intra as kernels
 from gla_tpu.testing.problems import GLACase, make_gla_inputs
-from gla_tpu.ops.attention.pallas_gpu_target import hopper_target
+from gla_tpu.testing.gpu_lowering import hopper_target
 
 # jax 0.11.2 deprecates the Pallas Triton lowering (docs/gpu_backend.md says why we still use it);
 # the warning is raised at every lowering, which this strict environment would turn into errors.

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gla_tpu.ops.attention.pallas_gpu_target import hopper_target
-from gla_tpu.ops.gla.pallas_gpu_recurrent import block_v, recurrent_forward
+from gla_tpu.testing.gpu_lowering import hopper_target
+from gla_tpu.ops.gla.pallas_gpu.kernels_recurrent import block_v, recurrent_forward
 from gla_tpu.ops.gla.reference import gla_recurrent_reference
 from gla_tpu.testing.tolerance import relative_rms_error
 

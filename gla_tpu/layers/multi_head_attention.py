@@ -31,7 +31,7 @@ from gla_tpu.layers.basic import (
 )
 from gla_tpu.ops.common import validation as checks
 from gla_tpu.ops.common.backends import BACKENDS
-from gla_tpu.ops.common.gating import segment_index
+from gla_tpu.ops.common.segments import segment_index
 
 
 @dataclasses.dataclass(frozen=True)

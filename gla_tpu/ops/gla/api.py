@@ -8,8 +8,10 @@ from gla_tpu.ops.common import backends
 from gla_tpu.ops.common import validation as checks
 from gla_tpu.ops.gla.validation import validate_gla
 
-# Each backend is the module gla_tpu.ops.gla.<backend>, implementing `check_supported(problem)` and
-# `gla(q, k, v, g, *, problem, initial_state, segment_ids, interpret) -> (o, final_state)`.
+# Each backend is the module gla_tpu.ops.gla.<backend>, implementing
+# `check_supported(problem, block_sizes)` and
+# `gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret)
+#  -> (o, final_state)`.
 
 
 def gla(
@@ -24,6 +26,7 @@ def gla(
     segment_ids=None,
     mode: str = "auto",
     chunk_size: int | None = None,
+    block_sizes=None,
     backend: str = "auto",
     interpret=False,
 ):
@@ -43,6 +46,7 @@ def gla(
       mode: "chunk", "fused_chunk", "fused_recurrent" or "auto" (recurrent for T <= 16, else
         chunk). All modes compute the same function.
       chunk_size: 64 (default) or 128, for the chunked modes.
+      block_sizes: the backend's BlockSizes (performance only), or None for its defaults.
       backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla".
       interpret: run a Pallas backend in interpret mode on CPU.
 
@@ -66,12 +70,14 @@ def gla(
     checks.check_choice("backend", backend, backends.BACKENDS)
 
     def check_supported(name: str) -> None:
-        backends.backend_module("gla", name).check_supported(problem)
+        backends.backend_module("gla", name).check_supported(problem, block_sizes)
 
     chosen = backends.resolve_backend("gla", backend, check_supported)
+    if chosen == backends.XLA and backend == "auto":
+        block_sizes = None  # the fallback has no tiles to tune; the warning said why.
     return backends.backend_module("gla", chosen).gla(
         q, k, v, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
-        interpret=interpret,
+        block_sizes=block_sizes, interpret=interpret,
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.common.gating import segment_index
+from gla_tpu.ops.common.segments import segment_index
 from gla_tpu.ops.gla.validation import validate_gla
 
 

@@ -10,24 +10,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.common.gating import (
-    chunk_local_cumsum,
-    pad_segment_index,
-    pad_time,
-    segment_index,
-)
+from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
+from gla_tpu.ops.common.padding import pad_segment_index, pad_time
+from gla_tpu.ops.common.segments import segment_index
 from gla_tpu.ops.common.masks import lower_triangular
 
 # Sub-chunk length of the secondary chunking of per-key gates (see docs/gla_math.md).
 SUB_CHUNK = 16
 
 
-def check_supported(problem) -> None:
+def check_supported(problem, block_sizes) -> None:
     del problem  # the XLA backend takes every valid problem.
+    if block_sizes is not None:
+        raise NotImplementedError(
+            f"block_sizes={block_sizes!r} tunes the Pallas kernels; the 'xla' backend takes None."
+        )
 
 
-def gla(q, k, v, g, *, problem, initial_state, segment_ids, interpret):
-    del interpret
+def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
+    del block_sizes, interpret
     b, t, h, _ = q.shape
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_index(segment_ids)
     # Gates as [B, T, H, Kg] float32 with Kg = K (per key) or 1 (per head / none).

@@ -1,6 +1,6 @@
 """Pallas (Triton lowering) kernel bodies and pallas_call builders of the GPU flash attention.
 
-Three kernels, none of which knows about autodiff (pallas_gpu.py wires them with custom_vjp):
+Three kernels, none of which knows about autodiff (vjp.py wires them with custom_vjp):
 - forward: one program per (query block, batch, head); online softmax over key blocks; writes o
   and the base-2 log-sum-exp `lse` [B, H, T].
 - dq: one program per (query block, batch, head); recomputes p from lse.
@@ -9,13 +9,12 @@ Three kernels, none of which knows about autodiff (pallas_gpu.py wires them with
 Causal skipping lives in the loop bounds: every loop runs over the blocks a tile can see, split in
 a range that needs no mask (all pairs visible) and a range that is masked.
 
-Inputs arrive padded (pallas_gpu.py) so T and S are multiples of every block size; `kv_len` is
+Inputs arrive padded (entry.py) so T and S are multiples of every block size; `kv_len` is
 the true S and keys at or past it are masked where they could reach an output.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -25,25 +24,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gla_tpu.ops.common.gpu_products import product
+from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
+from gla_tpu.ops.common.products import HIGHEST, product
 from gla_tpu.ops.common.masks import attention_visibility
 
 LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Static facts every kernel needs (hashable: a custom_vjp non-differentiable argument)."""
-
-    q_len: int  # true T
-    kv_len: int  # true S
-    padded_q: int  # T rounded up to the largest query block
-    padded_kv: int  # S rounded up to the largest key block
-    group: int  # H // Hkv
-    causal: bool
-    offset: int  # bottom-right causal shift, S - T
-    sm_scale: float
-    has_segments: bool
 
 
 def _cdiv_nonneg(x, d: int):
@@ -111,7 +96,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         acc, m, l = carry  # [block_q, D], [block_q], [block_q]
         kv_slice = pl.ds(kb * block_kv, block_kv)
         k = k_ref[kv_slice, :]
-        s = product(q, k, "nt") * scale2  # [block_q, block_kv], base-2 logits
+        s = product(q, k, "nt", HIGHEST) * scale2  # [block_q, block_kv], base-2 logits
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
@@ -124,7 +109,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         p = jnp.exp2(s - m_safe[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         v = v_ref[kv_slice, :]
-        acc = alpha[:, None] * acc + product(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + product(p.astype(v.dtype), v, "nn", HIGHEST)
         return acc, m_new, l
 
     full, hi = kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
@@ -154,14 +139,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         kv_slice = pl.ds(kb * block_kv, block_kv)
         k = k_ref[kv_slice, :]
         v = v_ref[kv_slice, :]
-        p = jnp.exp2(product(q, k, "nt") * scale2 - lse)  # [block_q, block_kv]
+        p = jnp.exp2(product(q, k, "nt", HIGHEST) * scale2 - lse)  # [block_q, block_kv]
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
             p = p if vis is None else jnp.where(vis, p, 0.0)
-        ds = p * (product(do, v, "nt") - delta)
-        return dq + product(ds.astype(k.dtype), k)
+        ds = p * (product(do, v, "nt", HIGHEST) - delta)
+        return dq + product(ds.astype(k.dtype), k, "nn", HIGHEST)
 
     full, hi = kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
     dq = jnp.zeros(q.shape, jnp.float32)
@@ -187,16 +172,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
         do = do_ref[q_slice, g, :]
         lse = lse_ref[g, q_slice][None, :]  # [1, block_q]
         delta = delta_ref[g, q_slice][None, :]
-        pt = jnp.exp2(product(k, q, "nt") * scale2 - lse)  # [block_kv, block_q]
+        pt = jnp.exp2(product(k, q, "nt", HIGHEST) * scale2 - lse)  # [block_kv, block_q]
         if masked:
             q_pos = (qb * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]
             q_seg = qseg_ref[q_slice][None, :] if geo.has_segments else None
             # keys past kv_len only produce rows of dk, dv that are sliced away: no length check
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
             pt = pt if vis is None else jnp.where(vis, pt, 0.0)
-        dv = dv + product(pt.astype(do.dtype), do)
-        dst = pt * (product(v, do, "nt") - delta)
-        dk = dk + product(dst.astype(q.dtype), q)
+        dv = dv + product(pt.astype(do.dtype), do, "nn", HIGHEST)
+        dst = pt * (product(v, do, "nt", HIGHEST) - delta)
+        dk = dk + product(dst.astype(q.dtype), q, "nn", HIGHEST)
         return dk, dv
 
     lo, full = _q_blocks_for_key_tile(geo, k_start, block_kv, block_q)

@@ -1,6 +1,6 @@
 """Pallas TPU (Mosaic) kernels of softmax flash attention: forward, dq and dk/dv.
 
-The kernels know nothing of autodiff; `mosaic_tpu_vjp.py` wires them with `jax.custom_vjp`.
+The kernels know nothing of autodiff; `vjp.py` wires them with `jax.custom_vjp`.
 Every array here is head-major and padded (docs/attention_mosaic_tpu.md says why):
 q, o, do [B, H, Tp, D]; k, v [B, Hkv, Sp, D]; lse, di [B, H, 1, Tp] float32 rows;
 segment ids [B, 1, Tp] and [B, 1, Sp] int32 rows. Tp and Sp are multiples of every block size
@@ -13,63 +13,18 @@ exp(s - m), lse = m + log(l), p = exp(s - lse), di = rowsum(o * do), ds = p * (d
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig, cost_estimate
 from gla_tpu.ops.common.masks import attention_visibility
-
-NUM_LANES = 128
-# Contract the last dim of both operands: a @ b.T without a transpose in VMEM.
-NT_DIMS = (((1,), (1,)), ((), ()))
-NN_DIMS = (((1,), (0,)), ((), ()))
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Static description of one call: problem semantics plus resolved (clamped) block sizes."""
-
-    batch: int
-    num_heads: int  # H
-    num_kv_heads: int  # Hkv
-    head_dim: int  # D
-    q_len: int  # T, unpadded
-    kv_len: int  # S, unpadded
-    q_len_padded: int  # Tp
-    kv_len_padded: int  # Sp
-    causal: bool
-    sm_scale: float
-    has_segments: bool
-    block_q: int
-    block_kv: int
-    block_kv_compute: int
-    block_q_dq: int
-    block_kv_dq: int
-    block_q_dkv: int
-    block_kv_dkv: int
-    vmem_limit_bytes: int | None
-    interpret: Any  # False or a pltpu.InterpretParams
-
-    @property
-    def group(self) -> int:
-        """Query heads per kv head (G)."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def offset(self) -> int:
-        """Bottom-right causal shift: query i sees key j iff j <= i + offset."""
-        return self.kv_len - self.q_len
-
-    @property
-    def kv_padded(self) -> bool:
-        return self.kv_len_padded != self.kv_len
+from gla_tpu.ops.common.products import product
+from gla_tpu.ops.common.tpu import LANES
 
 
 def _block_has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
@@ -145,7 +100,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
             cols = slice(c * bkc, (c + 1) * bkc)
             k = k_ref[cols, :]  # [bkc, D]
             v = v_ref[cols, :]  # [bkc, D]
-            s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)
+            s = product(q, k, "nt")
             s = s * cfg.sm_scale  # [bq, bkc]
             q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
             k_pos = j * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -161,9 +116,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
             alpha = jnp.exp(m_prev - shift)  # [bq, 128]
             p = jnp.exp(s - shift[:, :1])  # [bq, bkc]
             l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(
-                p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32
-            )  # [bq, D]
+            pv = product(p.astype(v.dtype), v)  # [bq, D]
             acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
             m_sc[...] = m_next
 
@@ -227,15 +180,15 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
         args += [q_seg, kv_seg]
     out_shape = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((b, h, tp, NUM_LANES), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, tp, LANES), jnp.float32),
     ]
     out_specs = [
         pl.BlockSpec((None, None, bq, d), q_map),
-        pl.BlockSpec((None, None, bq, NUM_LANES), q_map),
+        pl.BlockSpec((None, None, bq, LANES), q_map),
     ]
     scratch = [
-        pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # m
-        pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # l
+        pltpu.VMEM((bq, LANES), jnp.float32),  # m
+        pltpu.VMEM((bq, LANES), jnp.float32),  # l
         pltpu.VMEM((bq, d), jnp.float32),  # acc
     ]
     name = _call_name("fwd", cfg, bq, bkv)
@@ -251,7 +204,7 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
             compiler_params=_compiler_params(
                 cfg, ("parallel", "parallel", "parallel", "arbitrary")
             ),
-            cost_estimate=_cost(cfg, passes=1, arrays=args, out_shape=out_shape),
+            cost_estimate=cost_estimate(cfg, passes=1, arrays=args, out_shape=out_shape),
             interpret=cfg.interpret,
             name=name,
         )(*args)
@@ -275,7 +228,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
 
     def compute():
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32)
+        s = product(q, k, "nt")
         s = s * cfg.sm_scale  # [bq, bkv]
         p = jnp.exp(s - _column(lse_ref))  # [bq, bkv]
         q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
@@ -285,11 +238,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
         mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)  # [bq, bkv]
+        dp = product(do, v, "nt")  # [bq, bkv]
         ds = p * (dp - _column(di_ref))
-        dq_sc[...] += lax.dot_general(
-            ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32
-        )  # [bq, D]
+        dq_sc[...] += product(ds.astype(k.dtype), k)  # [bq, D]
 
     if cfg.causal:
         pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
@@ -342,7 +293,7 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
             compiler_params=_compiler_params(
                 cfg, ("parallel", "parallel", "parallel", "arbitrary")
             ),
-            cost_estimate=_cost(cfg, passes=2, arrays=args, out_shape=[out_shape]),
+            cost_estimate=cost_estimate(cfg, passes=2, arrays=args, out_shape=[out_shape]),
             interpret=cfg.interpret,
             name=name,
         )(*args)
@@ -367,7 +318,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
 
     def compute():
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        s_t = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)
+        s_t = product(k, q, "nt")
         s_t = s_t * cfg.sm_scale  # [bkv, bq]
         p_t = jnp.exp(s_t - lse_ref[...])  # [bkv, bq]; lse row [1, bq]
         k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
@@ -377,14 +328,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
         mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
         if mask is not None:
             p_t = jnp.where(mask, p_t, 0.0)
-        dv_sc[...] += lax.dot_general(
-            p_t.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32
-        )  # [bkv, D]
-        dp_t = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
+        dv_sc[...] += product(p_t.astype(do.dtype), do)  # [bkv, D]
+        dp_t = product(v, do, "nt")
         ds_t = p_t * (dp_t - di_ref[...])  # [bkv, bq]
-        dk_sc[...] += lax.dot_general(
-            ds_t.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32
-        )  # [bkv, D]
+        dk_sc[...] += product(ds_t.astype(q.dtype), q)  # [bkv, D]
 
     if cfg.causal:
         pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
@@ -444,69 +391,7 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
             compiler_params=_compiler_params(
                 cfg, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
             ),
-            cost_estimate=_cost(cfg, passes=3, arrays=args, out_shape=out_shape),
+            cost_estimate=cost_estimate(cfg, passes=3, arrays=args, out_shape=out_shape),
             interpret=cfg.interpret,
             name=name,
         )(*args)
-
-
-# Cost model shared with the docs' roofline: matmul FLOPs over the visible fraction.
-
-
-def visible_fraction(q_len: int, kv_len: int, causal: bool) -> float:
-    """Fraction of the [T, S] score matrix that causal (bottom-right) masking leaves visible."""
-    if not causal:
-        return 1.0
-    # Row i sees clip(i + S - T + 1, 0, S) keys.
-    seen = np.clip(np.arange(q_len, dtype=np.int64) + (kv_len - q_len + 1), 0, kv_len).sum()
-    return float(seen) / (q_len * kv_len)
-
-
-def attention_flops(batch, heads, q_len, kv_len, head_dim, causal, *, passes: int) -> float:
-    """Matmul FLOPs of one kernel over the visible part of the score matrix.
-
-    passes=1: forward (s = q k^T, p v: 2 matmuls); 2: dq kernel (s, dp, dq: 3); 3: dk/dv kernel
-    (s, dp, dv, dk: 4). Each matmul costs 2 B H T S D.
-    """
-    matmuls = {1: 2, 2: 3, 3: 4}[passes]
-    frac = visible_fraction(q_len, kv_len, causal)
-    return 2.0 * matmuls * batch * heads * q_len * kv_len * head_dim * frac
-
-
-def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
-                        *, block_kv_compute: int | None = None, segments: bool = False) -> int:
-    """VMEM footprint of one kernel from its block sizes (docs/attention_mosaic_tpu.md).
-
-    Counts double-buffered input/output blocks, scratch, and the float32 [block_q, block_kv]
-    temporaries the body keeps live (s, p, dp, ds) plus p's cast to the input dtype. A [1, n] row
-    occupies 8 sublanes. Mosaic may reuse temporaries, so this is an upper-bound-style estimate.
-    """
-    bq, bkv, d = block_q, block_kv, head_dim
-    rows = lambda n: 8 * n * 4  # noqa: E731  a [1, n] float32/int32 row block
-    seg = 2 * (rows(bq) + rows(bkv)) if segments else 0
-    if kind == "fwd":
-        bkc = block_kv_compute or bkv
-        io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + bq * NUM_LANES * 4)
-        scratch = 2 * bq * NUM_LANES * 4 + bq * d * 4
-        temps = bq * bkc * (2 * 4 + itemsize)
-    elif kind == "dq":
-        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq) + 2 * bq * d * itemsize
-        scratch = bq * d * 4
-        temps = bq * bkv * (4 * 4 + itemsize)
-    elif kind == "dkv":
-        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq)
-        io += 2 * 2 * bkv * d * itemsize
-        scratch = 2 * bkv * d * 4
-        temps = bq * bkv * (4 * 4 + itemsize)
-    else:
-        raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
-    return io + scratch + temps + seg
-
-
-def _cost(cfg: KernelConfig, *, passes: int, arrays, out_shape) -> pl.CostEstimate:
-    flops = attention_flops(cfg.batch, cfg.num_heads, cfg.q_len, cfg.kv_len, cfg.head_dim,
-                            cfg.causal, passes=passes)
-    trans = cfg.batch * cfg.num_heads * cfg.q_len * cfg.kv_len
-    nbytes = sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
-    nbytes += sum(o.size * jnp.dtype(o.dtype).itemsize for o in out_shape)
-    return pl.CostEstimate(flops=int(flops), transcendentals=int(trans), bytes_accessed=int(nbytes))

@@ -12,12 +12,11 @@ Outputs match the Triton forward exactly in meaning, so the Triton backward cons
 q's dtype and the base-2 log-sum-exp lse [B, H, Tp] (0 for a row that sees no key, whose o is 0).
 Causal masking is bottom-right (key j visible to query i iff j <= i + S - T); keys at or past the
 true S are masked. Segment ids, float32 and head dims other than 64 / 128 take the Triton forward
-(`unsupported_reason`). docs/gpu_backend.md has the design and the measurements.
+(plan.mosaic_forward_unsupported_reason). docs/gpu_backend.md has the design and the measurements.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -26,68 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu_kernels import (Geometry, kv_blocks_for_query_tile,
-                                                      visibility_mask)
+from gla_tpu.ops.attention.pallas_gpu.kernels_triton import kv_blocks_for_query_tile, visibility_mask
+from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
 
 LOG2E = math.log2(math.e)
-CONSUMERS = 2  # consumer warpgroups per block
-SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
-# alignment padding Mosaic GPU adds to the buffers below: it reported 232568 bytes for tiles
-# (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
-ALLOCATION_SLACK = 2560
-HEAD_DIMS = (64, 128)
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardTiles:
-    """Tiles of the Mosaic GPU forward (performance only)."""
-
-    block_q: int = 64  # query rows per consumer warpgroup: a block covers 2 * block_q rows
-    block_kv: int = 128  # keys per pipeline step
-    stages: int = 2  # K/V shared-memory slots in flight
-
-    def __post_init__(self):
-        if self.block_q not in (64, 128):  # wgmma rows per warpgroup: multiples of 64
-            raise ValueError(f"ForwardTiles.block_q={self.block_q!r} must be 64 or 128.")
-        if self.block_kv not in (64, 128, 192, 256):
-            raise ValueError(
-                f"ForwardTiles.block_kv={self.block_kv!r} must be one of 64, 128, 192, 256.")
-        if self.stages not in (2, 3, 4):
-            raise ValueError(f"ForwardTiles.stages={self.stages!r} must be one of 2, 3, 4.")
-
-    @property
-    def query_multiple(self) -> int:
-        return CONSUMERS * self.block_q
-
-    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of one block: q/o tiles, lse rows, the K/V ring and the barriers."""
-        q_o = CONSUMERS * self.block_q * head_dim * itemsize
-        lse = CONSUMERS * self.block_q * 4
-        kv_ring = 2 * self.stages * self.block_kv * head_dim * itemsize
-        barriers = 8 * (CONSUMERS + 4 * self.stages + 1)
-        return q_o + lse + kv_ring + barriers + ALLOCATION_SLACK
-
-
-def check_tiles(tiles: ForwardTiles, head_dim: int) -> None:
-    """ValueError when the tiles do not fit in a Hopper block's shared memory at this head dim."""
-    need = tiles.shared_memory_bytes(head_dim)
-    if need > SHARED_MEMORY_BYTES:
-        raise ValueError(
-            f"BlockSizes.mosaic_forward={tiles} needs {need} bytes of shared memory at head dim "
-            f"{head_dim}; a Hopper block has {SHARED_MEMORY_BYTES}. Use fewer stages or a smaller "
-            "block_kv.")
-
-
-def unsupported_reason(head_dim: int, dtype, has_segments: bool) -> str | None:
-    """Why this forward cannot take a problem (None when it can)."""
-    if head_dim not in HEAD_DIMS:
-        return f"head dim {head_dim} (it takes {HEAD_DIMS})"
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
-    if has_segments:
-        return "segment_ids"
-    return None
 
 
 def _take_turn(turn):

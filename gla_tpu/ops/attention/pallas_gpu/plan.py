@@ -1,29 +1,91 @@
-"""The "pallas_gpu" attention backend: flash attention in Pallas on NVIDIA GPUs.
-
-Forward and backward are three kernels: forward (o and log-sum-exp), dq, and dk/dv
-(pallas_gpu_kernels.py, Triton lowering). On Hopper the forward is the Mosaic GPU kernel of
-mosaic_gpu_forward.py (wgmma, TMA, warp specialization) where it applies, since it is the faster
-one there; both forwards write the same o and lse, which the Triton backward consumes. This module
-pads, picks the kernels and block sizes and wires them with `jax.custom_vjp`.
-docs/gpu_backend.md explains the choices and the measured speed.
+"""Tiling plan of the GPU flash attention: block sizes, which forward kernel runs, the geometry
+every kernel shares, and the Mosaic GPU forward's tiles with their shared-memory check
+(docs/gpu_backend.md says how the defaults were measured).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.common.backends import require_gpu_dtype
-from gla_tpu.ops.attention import mosaic_gpu_forward
-from gla_tpu.ops.attention import pallas_gpu_kernels as kernels
-from gla_tpu.ops.attention.mosaic_gpu_forward import ForwardTiles
-from gla_tpu.ops.common.gating import pad_time
+CONSUMERS = 2  # consumer warpgroups per block
+SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
+# alignment padding Mosaic GPU adds to the buffers below: it reported 232568 bytes for tiles
+# (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
+ALLOCATION_SLACK = 2560
+# what the Mosaic GPU forward takes (other problems take the Triton forward)
+MOSAIC_FORWARD_HEAD_DIMS = (64, 128)
+MOSAIC_FORWARD_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTiles:
+    """Tiles of the Mosaic GPU forward (performance only)."""
+
+    block_q: int = 64  # query rows per consumer warpgroup: a block covers 2 * block_q rows
+    block_kv: int = 128  # keys per pipeline step
+    stages: int = 2  # K/V shared-memory slots in flight
+
+    def __post_init__(self):
+        if self.block_q not in (64, 128):  # wgmma rows per warpgroup: multiples of 64
+            raise ValueError(f"ForwardTiles.block_q={self.block_q!r} must be 64 or 128.")
+        if self.block_kv not in (64, 128, 192, 256):
+            raise ValueError(
+                f"ForwardTiles.block_kv={self.block_kv!r} must be one of 64, 128, 192, 256.")
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"ForwardTiles.stages={self.stages!r} must be one of 2, 3, 4.")
+
+    @property
+    def query_multiple(self) -> int:
+        return CONSUMERS * self.block_q
+
+    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of one block: q/o tiles, lse rows, the K/V ring and the barriers."""
+        q_o = CONSUMERS * self.block_q * head_dim * itemsize
+        lse = CONSUMERS * self.block_q * 4
+        kv_ring = 2 * self.stages * self.block_kv * head_dim * itemsize
+        barriers = 8 * (CONSUMERS + 4 * self.stages + 1)
+        return q_o + lse + kv_ring + barriers + ALLOCATION_SLACK
+
+
+def check_tiles(tiles: ForwardTiles, head_dim: int) -> None:
+    """ValueError when the tiles do not fit in a Hopper block's shared memory at this head dim."""
+    need = tiles.shared_memory_bytes(head_dim)
+    if need > SHARED_MEMORY_BYTES:
+        raise ValueError(
+            f"BlockSizes.mosaic_forward={tiles} needs {need} bytes of shared memory at head dim "
+            f"{head_dim}; a Hopper block has {SHARED_MEMORY_BYTES}. Use fewer stages or a smaller "
+            "block_kv.")
+
+
+def mosaic_forward_unsupported_reason(head_dim: int, dtype, has_segments: bool) -> str | None:
+    """Why the Mosaic GPU forward cannot take a problem (None when it can)."""
+    if head_dim not in MOSAIC_FORWARD_HEAD_DIMS:
+        return f"head dim {head_dim} (it takes {MOSAIC_FORWARD_HEAD_DIMS})"
+    if jnp.dtype(dtype) not in MOSAIC_FORWARD_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
+    if has_segments:
+        return "segment_ids"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static facts every kernel needs (hashable: a custom_vjp non-differentiable argument)."""
+
+    q_len: int  # true T
+    kv_len: int  # true S
+    padded_q: int  # T rounded up to the largest query block
+    padded_kv: int  # S rounded up to the largest key block
+    group: int  # H // Hkv
+    causal: bool
+    offset: int  # bottom-right causal shift, S - T
+    sm_scale: float
+    has_segments: bool
+
+
 FORWARD_KERNELS = ("auto", "mosaic_gpu", "triton")
 
 
@@ -61,7 +123,7 @@ class BlockSizes:
                              f"{FORWARD_KERNELS}.")
         if not isinstance(self.mosaic_forward, ForwardTiles):
             raise ValueError(f"BlockSizes.mosaic_forward={self.mosaic_forward!r} must be a "
-                             "mosaic_gpu_forward.ForwardTiles.")
+                             "pallas_gpu.ForwardTiles.")
         for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
                      "block_kv_dkv"):
             value = getattr(self, name)
@@ -107,21 +169,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     return sizes
 
 
-def check_supported(problem, block_sizes) -> None:
-    if problem.head_dim not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"the 'pallas_gpu' flash_attention takes head dims {HEAD_DIMS}; got D={problem.head_dim}. "
-            "backend='xla' takes any head dim."
-        )
-    require_gpu_dtype("flash_attention", problem.dtype)
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise NotImplementedError(
-            f"block_sizes={block_sizes!r} is not a pallas_gpu BlockSizes; pass "
-            "gla_tpu.ops.attention.pallas_gpu.BlockSizes(...) or None."
-        )
-
-
-def _is_hopper() -> bool:
+def is_hopper() -> bool:
     try:
         device = jax.local_devices(backend="gpu")[0]
     except RuntimeError:  # no GPU backend
@@ -137,72 +185,16 @@ def mosaic_forward_tiles(problem, sizes: BlockSizes, interpret: bool) -> Forward
     """
     if sizes.forward_kernel == "triton":
         return None
-    reason = mosaic_gpu_forward.unsupported_reason(problem.head_dim, problem.dtype,
+    reason = mosaic_forward_unsupported_reason(problem.head_dim, problem.dtype,
                                                    problem.has_segments)
     if sizes.forward_kernel == "mosaic_gpu":
         if reason is not None:
             raise NotImplementedError(
                 f"BlockSizes(forward_kernel='mosaic_gpu') cannot take {reason}; "
                 "forward_kernel='auto' or 'triton' can.")
-    elif reason is not None or interpret or not _is_hopper():
+    elif reason is not None or interpret or not is_hopper():
         return None
-    mosaic_gpu_forward.check_tiles(sizes.mosaic_forward, problem.head_dim)
+    check_tiles(sizes.mosaic_forward, problem.head_dim)
     return sizes.mosaic_forward
 
 
-def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
-    check_supported(problem, block_sizes)
-    sizes = block_sizes or default_block_sizes(problem.head_dim, problem.dtype)
-    tiles = mosaic_forward_tiles(problem, sizes, bool(interpret))
-    t, s = problem.q_len, problem.kv_len
-    mq, mk = sizes.largest_q, sizes.largest_kv
-    if tiles is not None:  # every block size is a power of two, or 2 x 64 / 2 x 128 rows
-        mq, mk = math.lcm(mq, tiles.query_multiple), math.lcm(mk, tiles.block_kv)
-    geo = kernels.Geometry(
-        q_len=t, kv_len=s, padded_q=-(-t // mq) * mq, padded_kv=-(-s // mk) * mk,
-        group=problem.num_heads // problem.num_kv_heads, causal=problem.causal,
-        offset=s - t, sm_scale=float(problem.sm_scale), has_segments=problem.has_segments,
-    )
-    qp = pad_time(q, mq)
-    kp, vp = pad_time(k, mk), pad_time(v, mk)
-    q_seg = kv_seg = None
-    if problem.has_segments:
-        q_seg = pad_time(q_segment_ids, mq)
-        kv_seg = pad_time(kv_segment_ids, mk)
-    o = _attention(qp, kp, vp, q_seg, kv_seg, geo, sizes, tiles, bool(interpret))
-    return o[:, :t]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
-    o, _ = _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
-    return o
-
-
-def _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
-    if tiles is not None:
-        return mosaic_gpu_forward.forward(q, k, v, geo=geo, tiles=tiles, interpret=interpret)
-    return kernels.forward(q, k, v, q_seg, kv_seg, geo=geo, block_q=sizes.block_q,
-                           block_kv=sizes.block_kv, num_warps=sizes.num_warps,
-                           num_stages=sizes.num_stages, interpret=interpret)
-
-
-def _attention_fwd(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
-    o, lse = _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
-    return o, (q, k, v, q_seg, kv_seg, o, lse)
-
-
-def _attention_bwd(geo, sizes, tiles, interpret, residuals, do):
-    q, k, v, q_seg, kv_seg, o, lse = residuals
-    # delta_i = sum_d o_id do_id, [B, H, Tp]: one fused elementwise pass, left to XLA
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    common = dict(geo=geo, num_stages=sizes.num_stages_bwd, interpret=interpret)
-    dq = kernels.backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, block_q=sizes.block_q_dq,
-                             block_kv=sizes.block_kv_dq, num_warps=sizes.num_warps_dq, **common)
-    dk, dv = kernels.backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta,
-                                  block_q=sizes.block_q_dkv, block_kv=sizes.block_kv_dkv,
-                                  num_warps=sizes.num_warps_dkv, **common)
-    return dq, dk, dv, None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)

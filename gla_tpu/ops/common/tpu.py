@@ -1,8 +1,13 @@
-"""The public `interpret` argument, as the Mosaic TPU backends pass it to pallas_call."""
+"""TPU facts every Mosaic kernel shares, and the public `interpret` argument as they pass it on."""
 
 from __future__ import annotations
 
 from jax.experimental.pallas import tpu as pltpu
+
+# A vreg holds [SUBLANES, LANES] 32-bit values: the last two dims of a block must be multiples of
+# (SUBLANES, LANES) or equal the array's.
+LANES = 128
+SUBLANES = 8
 
 
 def tpu_interpret_params(interpret):

@@ -2,7 +2,7 @@
 
 Forward saves (q, k, v, o, lse) and the segment ids; the backward computes di = rowsum(o * do) once
 and runs the dq and dk/dv kernels, which recompute p = exp(s - lse) block by block.
-Arrays are head-major and padded as in `mosaic_tpu_kernels`.
+Arrays are head-major and padded as in `kernels.py`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.attention.mosaic_tpu_kernels import (
-    KernelConfig,
-    flash_dkv,
-    flash_dq,
-    flash_forward,
-)
+from gla_tpu.ops.attention.mosaic_tpu.kernels import flash_dkv, flash_dq, flash_forward
+from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

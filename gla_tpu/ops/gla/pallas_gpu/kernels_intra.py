@@ -1,27 +1,21 @@
-"""Pallas (Triton lowering) kernels of the chunked GLA on GPU; none of them knows about autodiff.
+"""Pallas (Triton lowering) kernels of the intra-chunk GLA products on GPU; none knows about autodiff.
 
 Notation of docs/gla_math.md and docs/gpu_backend.md: chunk length C, sub-chunk length c = 16,
 b = chunk-local running sum of the log gate g (computed outside, float32, [B, T, H, K]),
 B_n = b at the last token of chunk n, h_n the [K, V] state entering chunk n. Per-head and absent
-gates arrive broadcast to [B, T, H, K]. Segment masks arrive precomputed (pallas_gpu.py):
+gates arrive broadcast to [B, T, H, K]. Segment masks arrive precomputed (entry.py):
 `reach` (the carried state reaches the token), `last` (the token is in its chunk's last segment),
 `keep` (no reset inside the chunk), and the running segment index `seg` for intra-chunk masks.
 
-Kernels:
-- `state_pass`: one program per (batch, head, K block, V block), a loop over chunks, forward
-  (h_{n+1} = keep_n exp(B_n) h_n + (k exp(B_n - b) last)^T v) or reversed for the backward
-  (dh_n = keep_n exp(B_n) dh_{n+1} + (q exp(b) reach scale)^T do): one kernel, two directions.
+Kernels (the state pass is in kernels_state.py, outputs and dv in kernels_output.py):
 - `intra_scores`: the masked, unscaled intra-chunk scores A [C, C] per chunk.
-- `chunk_output`: o = scale (A v + (q exp(b) reach) h_n).
 - `chunk_da`: dA = scale do v^T [C, C] per chunk, masked like A.
 - `chunk_dqk`: dq, dk, dg (float32) of a chunk and K block, intra and inter parts.
-- `chunk_dv`: dv = scale A^T do + (k exp(B - b) last) dh_{n+1}.
 The intra-chunk products take one of two paths per chunk (section "Intra-chunk products").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -30,50 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gla_tpu.ops.common.gpu_products import HIGHEST, SPLIT_BF16, product
+from gla_tpu.ops.common.products import HIGHEST, accurate_product, product
+from gla_tpu.ops.gla.pallas_gpu.plan import ChunkGeometry, compiler_params
 
 SUB = 16  # sub-chunk length of the secondary chunking
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkGeometry:
-    """Static facts of one chunked GLA call (hashable)."""
-
-    chunk: int  # C
-    block_k: int
-    block_v: int
-    key_dim: int  # padded K (a power of two >= block_k)
-    value_dim: int  # padded V
-    num_chunks: int  # N
-    scale: float
-    has_segments: bool
-    num_warps: int = 4
-    num_warps_dqk: int = 4
-    num_stages: int = 2
-    # dtype the state passes store h_n and dh_{n+1} in for the later kernels (the recurrence runs
-    # in float32 either way)
-    state_dtype: str = "float32"
-    # dq's and dk's inter-chunk products on the float32 states (split bfloat16 for 16-bit
-    # inputs) instead of states rounded to the input dtype
-    exact_inter: bool = False
-
-
-def _accurate_precision(input_dtype):
-    """Precision of a float32 product that dg's cancellation needs: for 16-bit inputs the split
-    bfloat16 products (about 2^-16 relative, enough next to bfloat16 inputs); for float32 inputs
-    the IEEE fp32 path (the split's 2^-16 left dg 2.8x over the float32 bound on the H200)."""
-    return HIGHEST if jnp.dtype(input_dtype) == jnp.float32 else SPLIT_BF16
-
-
-def _accurate(a, b, layout, input_dtype):
-    """The product of a and b taken as float32 operands, to the accuracy _accurate_precision
-    gives."""
-    return product(a.astype(jnp.float32), b.astype(jnp.float32), layout,
-                   _accurate_precision(input_dtype))
-
-
-def _params(geo: ChunkGeometry):
-    return plgpu.CompilerParams(num_warps=geo.num_warps, num_stages=geo.num_stages)
 
 
 def _intra_mask(geo: ChunkGeometry, seg_ref, n_rows: int, row_offset: int, *, transpose=False):
@@ -87,81 +41,6 @@ def _intra_mask(geo: ChunkGeometry, seg_ref, n_rows: int, row_offset: int, *, tr
         seg_rows = seg_ref[pl.ds(row_offset, n_rows)][:, None]
         mask = jnp.logical_and(mask, seg_rows == seg_all)
     return mask
-
-
-# State pass.
-
-
-def _state_kernel(x_ref, y_ref, b_ref, w_ref, keep_ref, init_ref, states_ref, final_ref, *,
-                  geo: ChunkGeometry, reverse: bool):
-    c = geo.chunk
-    if init_ref is None:
-        h = jnp.zeros((geo.block_k, geo.block_v), jnp.float32)
-    else:
-        h = init_ref[...]
-
-    def body(step, h):
-        n = geo.num_chunks - 1 - step if reverse else step
-        rows = pl.ds(n * c, c)
-        states_ref[n, :, :] = h.astype(states_ref.dtype)
-        b = b_ref[rows, :]  # [C, BK]
-        b_last = b_ref[pl.ds(n * c + c - 1, 1), :]  # [1, BK]
-        x = x_ref[rows, :]
-        if reverse:
-            weight = jnp.exp(b) * geo.scale  # exp(b) <= 1
-        else:
-            weight = jnp.exp(b_last - b)  # exponent <= 0
-        if w_ref is not None:
-            weight = weight * w_ref[rows][:, None]
-        decay = jnp.exp(b_last)  # [1, BK]
-        if keep_ref is not None:
-            decay = decay * keep_ref[pl.ds(n, 1)][:, None]
-        # the gated operand stays float32 (split-bfloat16 product: measured no slower than a
-        # bfloat16 one, the pass being latency-bound)
-        xw = x.astype(jnp.float32) * weight
-        return h * decay.T + _accurate(xw, y_ref[rows, :], "tn", x.dtype)
-
-    h = lax.fori_loop(0, geo.num_chunks, body, h)
-    final_ref[...] = h
-    if not reverse:
-        states_ref[geo.num_chunks, :, :] = h.astype(states_ref.dtype)
-
-
-def state_pass(x, y, b, w, keep, init, *, geo: ChunkGeometry, reverse: bool, interpret):
-    """x [B, Tp, H, K], y [B, Tp, H, V], b [B, Tp, H, K] f32, w [B, Tp] | None, keep [B, N] | None,
-    init [B, H, K, V] f32 | None -> (states, final [B, H, K, V] f32): states [B, H, N + 1, K, V]
-    forward (entering each chunk, then the final state), [B, H, N, K, V] reversed (the gradient
-    of the state leaving each chunk), in geo.state_dtype; `final` is float32."""
-    bsz, tp, h, _ = x.shape
-    bk, bv = geo.block_k, geo.block_v
-    grid = (bsz, h, geo.key_dim // bk, geo.value_dim // bv)
-    x_spec = pl.BlockSpec((None, tp, None, bk), lambda bi, hi, ki, vi: (bi, 0, hi, ki))
-    y_spec = pl.BlockSpec((None, tp, None, bv), lambda bi, hi, ki, vi: (bi, 0, hi, vi))
-    w_spec = None if w is None else pl.BlockSpec((None, tp), lambda bi, hi, ki, vi: (bi, 0))
-    keep_spec = None if keep is None else pl.BlockSpec((None, geo.num_chunks),
-                                                       lambda bi, hi, ki, vi: (bi, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, bv), lambda bi, hi, ki, vi: (bi, hi, ki, vi))
-    init_spec = None if init is None else kv_spec
-    n_states = geo.num_chunks + (0 if reverse else 1)
-    states_spec = pl.BlockSpec((None, None, n_states, bk, bv),
-                               lambda bi, hi, ki, vi: (bi, hi, 0, ki, vi))
-    kernel = functools.partial(_state_kernel, geo=geo, reverse=reverse)
-    direction = "reverse" if reverse else "forward"
-    with jax.named_scope(f"gla_state_pass_{direction}_block_k={bk}_block_v={bv}"):
-        return pl.pallas_call(
-            kernel,
-            grid=grid,
-            in_specs=[x_spec, y_spec, x_spec, w_spec, keep_spec, init_spec],
-            out_specs=[states_spec, kv_spec],
-            out_shape=[
-                jax.ShapeDtypeStruct((bsz, h, n_states, geo.key_dim, geo.value_dim),
-                                     geo.state_dtype),
-                jax.ShapeDtypeStruct((bsz, h, geo.key_dim, geo.value_dim), jnp.float32),
-            ],
-            compiler_params=_params(geo),
-            interpret=interpret,
-            name=f"gla_state_pass_{direction}",
-        )(x, y, b, w, keep, init)
 
 
 # Intra-chunk products: two paths, chosen per chunk at run time.
@@ -230,7 +109,7 @@ def _sub_chunk_scores(q, k, b, b_ref, ks, dt):
     out = jnp.zeros((c, c), jnp.float32)
     for i in range(1, c // SUB):
         rows = jnp.where(_in_sub(tok, i), q_rel, 0.0).astype(dt)
-        out = out + product(rows, _earlier_keys(k, b, b_ref, ks, i).astype(dt), "nt")
+        out = out + product(rows, _earlier_keys(k, b, b_ref, ks, i).astype(dt), "nt", HIGHEST)
     return out
 
 
@@ -240,7 +119,7 @@ def _sub_chunk_dq(da, k, b, b_ref, ks, dt):
     tok, _ = _token_ids(c)
     out = jnp.zeros(k.shape, jnp.float32)
     for i in range(1, c // SUB):
-        prod = _accurate(da, _earlier_keys(k, b, b_ref, ks, i), "nn", dt)
+        prod = accurate_product(da, _earlier_keys(k, b, b_ref, ks, i), "nn", dt)
         out = out + jnp.where(_in_sub(tok, i), prod, 0.0)
     return out * jnp.exp(b - _per_sub_rows(b_ref, 0, ks, c))
 
@@ -255,7 +134,7 @@ def _sub_chunk_dk(da, q, b, b_ref, ks, dt):
         anchor = b_ref[pl.ds(j * SUB + SUB - 1, 1), ks]
         later = tok >= (j + 1) * SUB
         rel = jnp.where(later, q * jnp.exp(jnp.where(later, b - anchor, 0.0)), 0.0)
-        out = out + jnp.where(_in_sub(tok, j), _accurate(da, rel, "tn", dt), 0.0)
+        out = out + jnp.where(_in_sub(tok, j), accurate_product(da, rel, "tn", dt), 0.0)
     return out * jnp.exp(_per_sub_rows(b_ref, SUB - 1, ks, c) - b)
 
 
@@ -314,7 +193,8 @@ def _intra_kernel(flag_ref, q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGe
             b = b_ref[:, ks]
             if bounded:
                 to_ref, from_ref = _chunk_factors(b, b_ref, ks)
-                return acc + product((q * to_ref).astype(dt), (k * from_ref).astype(dt), "nt")
+                return acc + product((q * to_ref).astype(dt), (k * from_ref).astype(dt), "nt",
+                                     HIGHEST)
             return (acc + _sub_chunk_scores(q, k, b, b_ref, ks, dt)
                     + _exact_diagonal_scores(q, b, k_ref, b_ref, ks))
 
@@ -348,7 +228,7 @@ def _per_chunk(kernel, operands, *, geo: ChunkGeometry, interpret, name: str):
             in_specs=[spec(x) for x in operands],
             out_specs=pl.BlockSpec((None, None, c, c), lambda bi, hi, n: (bi, hi, n, 0)),
             out_shape=jax.ShapeDtypeStruct((bsz, h, tp, c), jnp.float32),
-            compiler_params=_params(geo),
+            compiler_params=compiler_params(geo),
             interpret=interpret,
             name=name,
         )(*operands)
@@ -361,72 +241,6 @@ def intra_scores(q, k, b, seg, bounded, *, geo: ChunkGeometry, interpret):
                       name="gla_intra_scores")
 
 
-# Output.
-
-
-def _inter_sum(x_ref, b_ref, w_ref, states_ref, vs, geo: ChunkGeometry, *, to_chunk_end: bool):
-    """sum over K blocks of (x * gate_weight)[:, kb] @ states[kb, vs]: [C, BV] float32, with
-    gate_weight exp(b) (query side) or exp(B - b) (key side)."""
-    c = geo.chunk
-
-    def over_k(kb, acc):
-        ks = pl.ds(kb * geo.block_k, geo.block_k)
-        b = b_ref[:, ks]
-        if to_chunk_end:
-            weight = jnp.exp(b_ref[pl.ds(c - 1, 1), ks] - b)
-        else:
-            weight = jnp.exp(b)
-        if w_ref is not None:
-            weight = weight * w_ref[...][:, None]
-        x = x_ref[:, ks]
-        xw = (x.astype(jnp.float32) * weight).astype(x.dtype)
-        st = states_ref[ks, vs].astype(x.dtype)  # [BK, BV]
-        return acc + product(xw, st)
-
-    return lax.fori_loop(0, geo.key_dim // geo.block_k, over_k,
-                         jnp.zeros((c, geo.block_v), jnp.float32))
-
-
-def _output_kernel(q_ref, b_ref, reach_ref, a_ref, v_ref, h_ref, o_ref, *, geo: ChunkGeometry):
-    vs = pl.ds(0, geo.block_v)
-    v = v_ref[...]  # [C, BV]
-    intra = product(a_ref[...].astype(v.dtype), v)
-    inter = _inter_sum(q_ref, b_ref, reach_ref, h_ref, vs, geo, to_chunk_end=False)
-    o_ref[...] = ((intra + inter) * geo.scale).astype(o_ref.dtype)
-
-
-def _per_value_block(kernel, x, b, mask, a, y, states, *, geo: ChunkGeometry, interpret,
-                     name: str):
-    """The pallas_call of chunk_output and chunk_dv: grid (B, H, N, V blocks); x, b [B, Tp, H, K]
-    whole, mask [B, Tp] | None, a [B, H, Tp, C], y and the output [B, Tp, H, V] by V blocks,
-    states [B, H, >= N, K, V] (chunk n's [K, BV] block)."""
-    bsz, tp, h, kd = x.shape
-    c, bv = geo.chunk, geo.block_v
-    grid = (bsz, h, geo.num_chunks, geo.value_dim // bv)
-    tok_k = pl.BlockSpec((None, c, None, kd), lambda bi, hi, n, vi: (bi, n, hi, 0))
-    tok_v = pl.BlockSpec((None, c, None, bv), lambda bi, hi, n, vi: (bi, n, hi, vi))
-    mask_spec = None if mask is None else pl.BlockSpec((None, c), lambda bi, hi, n, vi: (bi, n))
-    a_spec = pl.BlockSpec((None, None, c, c), lambda bi, hi, n, vi: (bi, hi, n, 0))
-    h_spec = pl.BlockSpec((None, None, None, kd, bv), lambda bi, hi, n, vi: (bi, hi, n, 0, vi))
-    with jax.named_scope(f"{name}_chunk={c}_block_v={bv}"):
-        return pl.pallas_call(
-            functools.partial(kernel, geo=geo),
-            grid=grid,
-            in_specs=[tok_k, tok_k, mask_spec, a_spec, tok_v, h_spec],
-            out_specs=tok_v,
-            out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-            compiler_params=_params(geo),
-            interpret=interpret,
-            name=name,
-        )(x, b, mask, a, y, states)
-
-
-def chunk_output(q, b, reach, a, v, states, *, geo: ChunkGeometry, interpret):
-    """-> o [B, Tp, H, V] in v's dtype."""
-    return _per_value_block(_output_kernel, q, b, reach, a, v, states, geo=geo,
-                            interpret=interpret, name="gla_chunk_output")
-
-
 # Backward.
 
 
@@ -435,7 +249,7 @@ def _da_kernel(do_ref, v_ref, seg_ref, da_ref, *, geo: ChunkGeometry):
 
     def over_v(vb, acc):
         vs = pl.ds(vb * bv, bv)
-        return acc + product(do_ref[:, vs], v_ref[:, vs], "nt")
+        return acc + product(do_ref[:, vs], v_ref[:, vs], "nt", HIGHEST)
 
     da = lax.fori_loop(0, geo.value_dim // bv, over_v,
                        jnp.zeros((geo.chunk, geo.chunk), jnp.float32))
@@ -464,11 +278,11 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref,
         h, dh = h_ref[:, vs], dh_ref[:, vs]  # [BK, BV] as stored
         do, v = do_ref[:, vs], v_ref[:, vs]  # [C, BV]
         if geo.exact_inter:
-            dq = dq + _accurate(do, h, "nt", dt)
-            dk = dk + _accurate(v, dh, "nt", dt)
+            dq = dq + accurate_product(do, h, "nt", dt)
+            dk = dk + accurate_product(v, dh, "nt", dt)
         else:
-            dq = dq + product(do, h.astype(do.dtype), "nt")
-            dk = dk + product(v, dh.astype(v.dtype), "nt")
+            dq = dq + product(do, h.astype(do.dtype), "nt", HIGHEST)
+            dk = dk + product(v, dh.astype(v.dtype), "nt", HIGHEST)
         hdh = hdh + jnp.sum(h.astype(jnp.float32) * dh.astype(jnp.float32), axis=1)[None, :]
         return dq, dk, hdh
 
@@ -496,8 +310,8 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref,
     # pass rule.
     def bounded():
         to_ref, from_ref = _chunk_factors(b, b_ref, ks)
-        return (to_ref * _accurate(da, k * from_ref, "nn", dt),
-                from_ref * _accurate(da, q * to_ref, "tn", dt))
+        return (to_ref * accurate_product(da, k * from_ref, "nn", dt),
+                from_ref * accurate_product(da, q * to_ref, "tn", dt))
 
     def exact():
         return (_sub_chunk_dq(da, k, b, b_ref, ks, dt)
@@ -516,8 +330,8 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref,
     tok, col = _token_ids(c)
     later = (col >= tok).astype(jnp.float32)  # [C, C]: s >= t
     earlier = (col < tok).astype(jnp.float32)
-    dg = (_accurate(later, q * dq - k * dk_intra, "nn", dt)
-          + _accurate(earlier, k * dk_inter, "nn", dt) + decay * hdh)
+    dg = (accurate_product(later, q * dq - k * dk_intra, "nn", dt)
+          + accurate_product(earlier, k * dk_inter, "nn", dt) + decay * hdh)
     if start_ref is not None:
         # the first token of a later segment: the reset ignores its gate
         dg = dg * (1.0 - start_ref[...][:, None])
@@ -557,15 +371,3 @@ def chunk_dqk(q, k, v, do, b, da, reach, last, start, keep, states, dstates, bou
         )(bounded, q, k, b, da, v, do, reach, last, start, keep, states, dstates)
 
 
-def _dv_kernel(k_ref, b_ref, last_ref, a_ref, do_ref, dh_ref, dv_ref, *, geo: ChunkGeometry):
-    vs = pl.ds(0, geo.block_v)
-    do = do_ref[...]  # [C, BV]
-    intra = product(a_ref[...].astype(do.dtype), do, "tn") * geo.scale
-    inter = _inter_sum(k_ref, b_ref, last_ref, dh_ref, vs, geo, to_chunk_end=True)
-    dv_ref[...] = (intra + inter).astype(dv_ref.dtype)
-
-
-def chunk_dv(k, b, last, a, do, dstates, *, geo: ChunkGeometry, interpret):
-    """-> dv [B, Tp, H, V] in do's dtype."""
-    return _per_value_block(_dv_kernel, k, b, last, a, do, dstates, geo=geo,
-                            interpret=interpret, name="gla_chunk_dv")

@@ -1,7 +1,7 @@
 """Pallas TPU kernels of chunked GLA and their `pallas_call` builders.
 
 Every kernel walks a grid (batch, head, V block, chunk) and applies pieces of
-`mosaic_tpu_chunk_tile` to one chunk. The kernels ("roles") are:
+`kernels_chunk_tile` to one chunk. The kernels ("roles") are:
 
   fused_fwd   sequential over chunks, state in VMEM scratch: outputs and final state.
   states      sequential: the state entering every chunk, materialized, and the final state.
@@ -18,7 +18,6 @@ bwd_chunk. States are held transposed ([V, K]); docs/gla_mosaic_tpu.md gives the
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,60 +25,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_tpu.ops.gla import mosaic_tpu_chunk_tile as tile
-from gla_tpu.ops.common.tpu_interpret import tpu_interpret_params
+from gla_tpu.ops.common.tpu import tpu_interpret_params
+from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk_tile as tile
+from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, seq_shape
 
 # Roles whose grid walks the chunks in reverse order, and roles free of a carried state.
 _REVERSED = frozenset({"dstates"})
 _PARALLEL = frozenset({"outputs", "bwd_chunk"})
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Static description of one chunked problem, as the kernels see it (T already padded)."""
-
-    batch: int
-    seq_len: int  # padded to a multiple of chunk
-    num_heads: int
-    key_dim: int
-    value_dim: int
-    chunk: int
-    block_v: int
-    gate_kind: str
-    has_segments: bool
-    has_initial_state: bool
-    scale: float
-    dtype: jnp.dtype
-
-    @property
-    def num_chunks(self) -> int:
-        return self.seq_len // self.chunk
-
-    @property
-    def num_v_blocks(self) -> int:
-        return self.value_dim // self.block_v
-
-
-def seq_shape(b: int, t: int, h: int, d: int):
-    """Shape of `seq_pack` of a [B, T, H, D] array."""
-    return (b, t, h * d) if d % 128 == 0 else (b, h, t, d)
-
-
-def seq_pack(x):
-    """[B, T, H, D] -> the array the kernels read: [B, T, H*D] (free view) when D % 128 == 0,
-    else a head-major copy [B, H, T, D] (a [C, 64] block of the view would break (8, 128) tiling)."""
-    b, t, h, d = x.shape
-    if d % 128 == 0:
-        return x.reshape(b, t, h * d)
-    return jnp.transpose(x, (0, 2, 1, 3))
-
-
-def seq_unpack(y, num_heads: int, d: int):
-    """Inverse of `seq_pack`."""
-    if d % 128 == 0:
-        b, t, _ = y.shape
-        return y.reshape(b, t, num_heads, d)
-    return jnp.transpose(y, (0, 2, 1, 3))
 
 
 def _seq_spec(d: int, block: int, c: int, chunk_of):
@@ -91,7 +43,7 @@ def _seq_spec(d: int, block: int, c: int, chunk_of):
     return pl.BlockSpec((None, None, c, d), lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0))
 
 
-def _specs(cfg: KernelConfig, chunk_of):
+def _specs(cfg: ChunkConfig, chunk_of):
     c, kd, bv = cfg.chunk, cfg.key_dim, cfg.block_v
     return {
         "q": _seq_spec(kd, kd, c, chunk_of),
@@ -126,7 +78,7 @@ def _specs(cfg: KernelConfig, chunk_of):
     }
 
 
-def _gate_names(cfg: KernelConfig, with_rows: bool = True):
+def _gate_names(cfg: ChunkConfig, with_rows: bool = True):
     if cfg.gate_kind == "key":
         return ["b"]
     if cfg.gate_kind == "head":
@@ -134,15 +86,15 @@ def _gate_names(cfg: KernelConfig, with_rows: bool = True):
     return []
 
 
-def _seg_names(cfg: KernelConfig):
+def _seg_names(cfg: ChunkConfig):
     return ["segcol", "segrow"] if cfg.has_segments else []
 
 
-def _s0_names(cfg: KernelConfig):
+def _s0_names(cfg: ChunkConfig):
     return ["s0"] if cfg.has_initial_state else []
 
 
-def _inputs(cfg: KernelConfig, role: str):
+def _inputs(cfg: ChunkConfig, role: str):
     gate, seg = _gate_names(cfg), _seg_names(cfg)
     return {
         "fused_fwd": ["q", "k", "v", *gate, *seg, *_s0_names(cfg)],
@@ -154,7 +106,7 @@ def _inputs(cfg: KernelConfig, role: str):
     }[role]
 
 
-def _outputs(cfg: KernelConfig, role: str):
+def _outputs(cfg: ChunkConfig, role: str):
     b, t, h, kd, vd = cfg.batch, cfg.seq_len, cfg.num_heads, cfg.key_dim, cfg.value_dim
     f32 = jnp.float32
     o = jax.ShapeDtypeStruct(seq_shape(b, t, h, vd), cfg.dtype)
@@ -172,13 +124,13 @@ def _outputs(cfg: KernelConfig, role: str):
     }[role]
 
 
-def _scratch(cfg: KernelConfig, role: str):
+def _scratch(cfg: ChunkConfig, role: str):
     if role in _PARALLEL:
         return []
     return [pltpu.VMEM((cfg.block_v, cfg.key_dim), jnp.float32)]  # carried ST or dST
 
 
-def run(cfg: KernelConfig, role: str, arrays: dict, *, interpret=False):
+def run(cfg: ChunkConfig, role: str, arrays: dict, *, interpret=False):
     """Runs one kernel role on kernel-layout `arrays` (name -> array); returns name -> output."""
     in_names = _inputs(cfg, role)
     out_shapes = _outputs(cfg, role)
@@ -205,7 +157,7 @@ def run(cfg: KernelConfig, role: str, arrays: dict, *, interpret=False):
     return dict(zip(out_shapes, outs))
 
 
-def _kernel(cfg: KernelConfig, role: str, in_names, out_names, *refs):
+def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
     n_in, n_out = len(in_names), len(out_names)
     r = dict(zip(in_names, refs[:n_in]))
     r.update(zip(out_names, refs[n_in:n_in + n_out]))

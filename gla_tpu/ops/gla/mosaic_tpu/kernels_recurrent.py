@@ -6,23 +6,22 @@ with the decay a_t = keep_t * exp(g_t), a [K, 1] column (per-key gate) or a scal
 or only keep_t where there is no gate); keep_t is 0 where a new segment starts. g <= 0, so every
 exponential is of a non-positive number.
 
-Three kernels, each over arrays already in "kernel layout" (the wiring module builds them):
+Two kernels, each over arrays already in "kernel layout" (plan.py builds them); the T = 1 decode
+kernel is in kernels_decode.py:
 - `recurrent_forward`: grid (B, H, V blocks, time blocks), the [K, block_v] float32 state in VMEM
   scratch across the sequential time axis; emits o, the final state and/or the state entering
   every time block (the backward's checkpoints).
 - `recurrent_backward`: the same grid with time reversed; per time block it recomputes the block's
   states from its checkpoint into VMEM, then runs the reversed recurrence of dS (dq, dk, dv, dg,
   d initial_state).
-- `recurrent_decode`: T = 1, several heads per grid step, no time axis.
 
-Inside a time block tokens are taken in sub-blocks of SUB rows: one [SUB, K] tile load and one
-transpose turn SUB token rows into [K, SUB] columns, then a loop over the SUB tokens does the
+Inside a time block tokens are taken in sub-blocks of SUBBLOCK rows: one [SUBBLOCK, K] tile load and one
+transpose turn SUBBLOCK token rows into [K, SUBBLOCK] columns, then a loop over the SUBBLOCK tokens does the
 rank-1 state updates on the VPU, a lane (sublane) rotate picking each token's column (row).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -30,81 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Token rows per sub-block: one f32 sublane tile.
-SUB = 8
-GATE_KINDS = ("key", "head", "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Static description of one kernel launch (semantics and tiling), hashable."""
-
-    gate_kind: str  # "key", "head" or "none"
-    has_keep: bool  # segment resets present (keep_t input)
-    scale: float
-    key_dim: int  # K as laid out for the kernel (padded)
-    block_t: int  # tokens per grid step, a multiple of SUB
-    block_v: int  # V columns of the state per grid step
-
-    def __post_init__(self):
-        if self.gate_kind not in GATE_KINDS:
-            raise ValueError(f"gate_kind must be one of {GATE_KINDS}; got {self.gate_kind!r}.")
-        if self.block_t <= 0 or self.block_t % SUB:
-            raise ValueError(f"block_t={self.block_t} must be a positive multiple of {SUB}.")
-
-    @property
-    def has_decay(self) -> bool:
-        return self.gate_kind != "none" or self.has_keep
-
-
-@dataclasses.dataclass(frozen=True)
-class TimeOperand:
-    """How one [B, T, H, D]-shaped operand sits in HBM for the time-blocked kernels.
-
-    "view": [B, T, H*D] (free reshape), blocks [block_t, block_d] at column block h * nd + j.
-    "head_major": [B, H, T, D] (a transposed copy; for D = 64), blocks [block_t, D].
-    "head_column": [B, H, T, 1] (per-head gate), blocks [block_t, 1].
-    "row_column": [B, T, 1] (segment keep), blocks [block_t, 1].
-    `per_v_block`: the block follows the V-block grid index j (v, o, do, dv) or not (q, k, g).
-    `partial`: an output with a leading [NV] axis of partial sums over V blocks (dq, dk, dg).
-    """
-
-    kind: str
-    block_d: int
-    per_v_block: bool = False
-    partial: bool = False
-
-    def block_spec(self, block_t: int, nv: int, time_index) -> pl.BlockSpec:
-        kind, bd, per_v, partial = self.kind, self.block_d, self.per_v_block, self.partial
-
-        def col(h, j):
-            return h * nv + j if per_v else h
-
-        if kind == "view":
-            shape = (None, block_t, bd)
-
-            def index(b, h, j, t):
-                return (b, time_index(t), col(h, j))
-        elif kind == "head_major":
-            shape = (None, None, block_t, bd)
-
-            def index(b, h, j, t):
-                return (b, h, time_index(t), 0)
-        elif kind == "head_column":
-            shape = (None, None, block_t, 1)
-
-            def index(b, h, j, t):
-                return (b, h, time_index(t), 0)
-        elif kind == "row_column":
-            shape = (None, block_t, 1)
-
-            def index(b, h, j, t):
-                return (b, time_index(t), 0)
-        else:
-            raise ValueError(f"unknown operand layout {kind!r}")
-        if not partial:
-            return pl.BlockSpec(shape, index)
-        return pl.BlockSpec((None,) + shape, lambda b, h, j, t: (j,) + index(b, h, j, t))
+from gla_tpu.ops.gla.mosaic_tpu.plan import SUBBLOCK, RecurrentConfig
 
 
 def _state_spec(block_k: int, block_v: int) -> pl.BlockSpec:
@@ -119,24 +44,24 @@ def _checkpoint_spec(block_k: int, block_v: int, time_index) -> pl.BlockSpec:
     )
 
 
-def _compiler_params(semantics):
+def compiler_params(semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
 class _Tokens:
-    """One sub-block of SUB tokens loaded from the time-blocked refs, as columns and rows.
+    """One sub-block of SUBBLOCK tokens loaded from the time-blocked refs, as columns and rows.
 
-    Columns ([K, SUB]; k_col(i) is [K, 1]) feed the lane-broadcast side of the rank-1 updates,
-    rows ([SUB, block_v]; v_row(i) is [1, block_v]) the sublane-broadcast side. The token index i
+    Columns ([K, SUBBLOCK]; k_col(i) is [K, 1]) feed the lane-broadcast side of the rank-1 updates,
+    rows ([SUBBLOCK, block_v]; v_row(i) is [1, block_v]) the sublane-broadcast side. The token index i
     may be traced: a rotate brings column (row) i to position 0.
     """
 
-    def __init__(self, refs, rows, cfg: KernelConfig, *, need_q: bool, need_do: bool):
+    def __init__(self, refs, rows, cfg: RecurrentConfig, *, need_q: bool, need_do: bool):
         f32 = jnp.float32
-        self.k = refs["k"][rows, :].astype(f32).T  # [K, SUB]
-        self.v = refs["v"][rows, :].astype(f32)  # [SUB, bv]
-        self.q = refs["q"][rows, :].astype(f32).T * cfg.scale if need_q else None  # [K, SUB]
-        self.do = refs["do"][rows, :].astype(f32) if need_do else None  # [SUB, bv]
+        self.k = refs["k"][rows, :].astype(f32).T  # [K, SUBBLOCK]
+        self.v = refs["v"][rows, :].astype(f32)  # [SUBBLOCK, bv]
+        self.q = refs["q"][rows, :].astype(f32).T * cfg.scale if need_q else None  # [K, SUBBLOCK]
+        self.do = refs["do"][rows, :].astype(f32) if need_do else None  # [SUBBLOCK, bv]
         self.decay = _decay_block(refs, rows, cfg)
 
     def k_col(self, i):
@@ -155,74 +80,74 @@ class _Tokens:
         """The decay a_i: [K, 1] (per-key gate), [1, 1] (per-head / keep only) or None."""
         if self.decay is None:
             return None
-        if self.decay.shape[0] == SUB:  # rows [SUB, 1]
+        if self.decay.shape[0] == SUBBLOCK:  # rows [SUBBLOCK, 1]
             return _row(self.decay, i)
-        return _col(self.decay, i)  # columns [K, SUB]
+        return _col(self.decay, i)  # columns [K, SUBBLOCK]
 
 
 def _shift(i):
-    """The rotation that moves position i of a SUB-long axis to position 0."""
-    return jax.lax.rem(SUB - i, SUB)
+    """The rotation that moves position i of a SUBBLOCK-long axis to position 0."""
+    return jax.lax.rem(SUBBLOCK - i, SUBBLOCK)
 
 
 def _col(x, i):
-    """Column i of an [n, SUB] array as [n, 1]."""
+    """Column i of an [n, SUBBLOCK] array as [n, 1]."""
     return pltpu.roll(x, _shift(i), 1)[:, 0:1]
 
 
 def _row(x, i):
-    """Row i of a [SUB, n] array as [1, n]."""
+    """Row i of a [SUBBLOCK, n] array as [1, n]."""
     return pltpu.roll(x, _shift(i), 0)[0:1, :]
 
 
-def _decay_block(refs, rows, cfg: KernelConfig):
-    """a = keep * exp(g) for SUB tokens: [K, SUB] columns (per key), [SUB, 1] rows, or None."""
+def _decay_block(refs, rows, cfg: RecurrentConfig):
+    """a = keep * exp(g) for SUBBLOCK tokens: [K, SUBBLOCK] columns (per key), [SUBBLOCK, 1] rows, or None."""
     if not cfg.has_decay:
         return None
     decay = None
     if cfg.gate_kind != "none":
-        decay = jnp.exp(refs["g"][rows, :].astype(jnp.float32))  # [SUB, K] or [SUB, 1]
+        decay = jnp.exp(refs["g"][rows, :].astype(jnp.float32))  # [SUBBLOCK, K] or [SUBBLOCK, 1]
     if cfg.has_keep:
-        keep = refs["keep"][rows, :]  # [SUB, 1]
+        keep = refs["keep"][rows, :]  # [SUBBLOCK, 1]
         decay = keep if decay is None else decay * keep
     if cfg.gate_kind == "key":
-        return decay.T  # [K, SUB]
+        return decay.T  # [K, SUBBLOCK]
     return decay
 
 
-def _advance(state, a, k_col, v_row):
+def advance_state(state, a, k_col, v_row):
     """S_t = a_t * S_{t-1} + k_t^T v_t on a [K, bv] float32 state."""
     if a is not None:
         state = a * state
     return state + k_col * v_row
 
 
-def _place_row(acc, i, row):
-    """acc[i, :] = row for a [SUB, n] accumulator and a [1, n] row (a select, no dynamic store)."""
+def place_row(acc, i, row):
+    """acc[i, :] = row for a [SUBBLOCK, n] accumulator and a [1, n] row (a select, no dynamic store)."""
     sel = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0) == i
     return jnp.where(sel, row, acc)
 
 
-def _place_col(acc, i, col):
-    """acc[:, i] = col for an [n, SUB] accumulator and an [n, 1] column."""
+def place_col(acc, i, col):
+    """acc[:, i] = col for an [n, SUBBLOCK] accumulator and an [n, 1] column."""
     sel = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1) == i
     return jnp.where(sel, col, acc)
 
 
 def _sub_rows(s):
-    return pl.ds(pl.multiple_of(s * SUB, SUB), SUB)
+    return pl.ds(pl.multiple_of(s * SUBBLOCK, SUBBLOCK), SUBBLOCK)
 
 
-def _unpack(refs, names):
+def unpack_refs(refs, names):
     if len(refs) != len(names):
         raise ValueError(f"kernel got {len(refs)} refs for {names}")
     return dict(zip(names, refs))
 
 
-def _forward_kernel(*refs, cfg: KernelConfig, names, emit_o, emit_final, emit_checkpoints):
-    r = _unpack(refs, names)
+def _forward_kernel(*refs, cfg: RecurrentConfig, names, emit_o, emit_final, emit_checkpoints):
+    r = unpack_refs(refs, names)
     t = pl.program_id(3)
-    n_sub = cfg.block_t // SUB
+    n_sub = cfg.block_t // SUBBLOCK
 
     @pl.when(t == 0)
     def _init():
@@ -240,13 +165,13 @@ def _forward_kernel(*refs, cfg: KernelConfig, names, emit_o, emit_final, emit_ch
 
         def token(i, carry):
             state, out = carry
-            state = _advance(state, tok.a(i), tok.k_col(i), tok.v_row(i))
+            state = advance_state(state, tok.a(i), tok.k_col(i), tok.v_row(i))
             if emit_o:
-                out = _place_row(out, i, jnp.sum(tok.q_col(i) * state, axis=0, keepdims=True))
+                out = place_row(out, i, jnp.sum(tok.q_col(i) * state, axis=0, keepdims=True))
             return state, out
 
-        out = jnp.zeros((SUB, state.shape[1]), jnp.float32)  # o rows of the sub-block
-        state, out = jax.lax.fori_loop(0, SUB, token, (state, out))
+        out = jnp.zeros((SUBBLOCK, state.shape[1]), jnp.float32)  # o rows of the sub-block
+        state, out = jax.lax.fori_loop(0, SUBBLOCK, token, (state, out))
         if emit_o:
             r["o"][rows, :] = out.astype(r["o"].dtype)
         return state
@@ -260,7 +185,7 @@ def _forward_kernel(*refs, cfg: KernelConfig, names, emit_o, emit_final, emit_ch
             r["final"][...] = state
 
 
-def recurrent_forward(q, k, v, g, keep, s0, *, cfg: KernelConfig, layouts, nt: int, nv: int,
+def recurrent_forward(q, k, v, g, keep, s0, *, cfg: RecurrentConfig, layouts, nt: int, nv: int,
                       emit_o: bool, emit_final: bool, emit_checkpoints: bool, o_shape, o_dtype,
                       interpret):
     """Runs the forward recurrence over kernel-layout arrays.
@@ -316,15 +241,15 @@ def recurrent_forward(q, k, v, g, keep, s0, *, cfg: KernelConfig, layouts, nt: i
             out_specs=out_specs,
             out_shape=out_shapes,
             scratch_shapes=[pltpu.VMEM((kd, cfg.block_v), jnp.float32)],
-            compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+            compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
             interpret=interpret,
         )(*args)
 
 
-def _backward_kernel(*refs, cfg: KernelConfig, names):
-    r = _unpack(refs, names)
+def _backward_kernel(*refs, cfg: RecurrentConfig, names):
+    r = unpack_refs(refs, names)
     t = pl.program_id(3)
-    n_sub = cfg.block_t // SUB
+    n_sub = cfg.block_t // SUBBLOCK
     states = r["states"]  # [block_t + 1, K, bv]: states[i] = state after the block's token i - 1
 
     @pl.when(t == 0)
@@ -341,11 +266,11 @@ def _backward_kernel(*refs, cfg: KernelConfig, names):
         tok = _Tokens(r, _sub_rows(s), cfg, need_q=False, need_do=False)
 
         def token(i, state):
-            state = _advance(state, tok.a(i), tok.k_col(i), tok.v_row(i))
-            states[s * SUB + i + 1] = state
+            state = advance_state(state, tok.a(i), tok.k_col(i), tok.v_row(i))
+            states[s * SUBBLOCK + i + 1] = state
             return state
 
-        return jax.lax.fori_loop(0, SUB, token, state)
+        return jax.lax.fori_loop(0, SUBBLOCK, token, state)
 
     jax.lax.fori_loop(0, n_sub, recompute, start)
 
@@ -361,31 +286,31 @@ def _backward_kernel(*refs, cfg: KernelConfig, names):
         def token(i_rev, carry):
             # dsum: dL/dS_t through the tokens after t; state: S_t.
             dsum, state, dq, dk, dv, dg = carry
-            i = SUB - 1 - i_rev
-            prev = states[s * SUB + i]  # S_{t-1}
+            i = SUBBLOCK - 1 - i_rev
+            prev = states[s * SUBBLOCK + i]  # S_{t-1}
             do_i = tok.do_row(i)
             grad = dsum + tok.q_col(i) * do_i  # dL/dS_t, token t's own output included
-            dq = _place_col(dq, i, jnp.sum(state * do_i, axis=1, keepdims=True))
-            dk = _place_col(dk, i, jnp.sum(grad * tok.v_row(i), axis=1, keepdims=True))
-            dv = _place_row(dv, i, jnp.sum(tok.k_col(i) * grad, axis=0, keepdims=True))
+            dq = place_col(dq, i, jnp.sum(state * do_i, axis=1, keepdims=True))
+            dk = place_col(dk, i, jnp.sum(grad * tok.v_row(i), axis=1, keepdims=True))
+            dv = place_row(dv, i, jnp.sum(tok.k_col(i) * grad, axis=0, keepdims=True))
             a = tok.a(i)
             if a is None:
                 return grad, prev, dq, dk, dv, dg
             if has_dg:
                 gs = jnp.sum(grad * prev, axis=1, keepdims=True)  # [K, 1]
                 if per_key:
-                    dg = _place_col(dg, i, a * gs)
+                    dg = place_col(dg, i, a * gs)
                 else:
-                    dg = _place_row(dg, i, a * jnp.sum(gs, axis=0, keepdims=True))
+                    dg = place_row(dg, i, a * jnp.sum(gs, axis=0, keepdims=True))
             return a * grad, prev, dq, dk, dv, dg
 
         dsum, state = carry
-        dq = jnp.zeros((kd, SUB), jnp.float32)  # columns of the sub-block's tokens
-        dk = jnp.zeros((kd, SUB), jnp.float32)
-        dv = jnp.zeros((SUB, bv), jnp.float32)  # rows
-        dg = jnp.zeros((kd, SUB) if per_key else (SUB, 1), jnp.float32)
+        dq = jnp.zeros((kd, SUBBLOCK), jnp.float32)  # columns of the sub-block's tokens
+        dk = jnp.zeros((kd, SUBBLOCK), jnp.float32)
+        dv = jnp.zeros((SUBBLOCK, bv), jnp.float32)  # rows
+        dg = jnp.zeros((kd, SUBBLOCK) if per_key else (SUBBLOCK, 1), jnp.float32)
         dsum, state, dq, dk, dv, dg = jax.lax.fori_loop(
-            0, SUB, token, (dsum, state, dq, dk, dv, dg))
+            0, SUBBLOCK, token, (dsum, state, dq, dk, dv, dg))
         r["dq"][rows, :] = (dq * cfg.scale).T.astype(r["dq"].dtype)
         r["dk"][rows, :] = dk.T.astype(r["dk"].dtype)
         r["dv"][rows, :] = dv.astype(r["dv"].dtype)
@@ -402,7 +327,7 @@ def _backward_kernel(*refs, cfg: KernelConfig, names):
             r["ds0"][...] = dsum
 
 
-def recurrent_backward(q, k, v, g, keep, do, checkpoints, dfinal, *, cfg: KernelConfig, layouts,
+def recurrent_backward(q, k, v, g, keep, do, checkpoints, dfinal, *, cfg: RecurrentConfig, layouts,
                        nt: int, nv: int, has_initial_state: bool, grad_dtypes, interpret):
     """The reversed recurrence, time blocks from last to first.
 
@@ -459,7 +384,7 @@ def recurrent_backward(q, k, v, g, keep, do, checkpoints, dfinal, *, cfg: Kernel
                 pltpu.VMEM((cfg.block_t + 1, kd, cfg.block_v), jnp.float32),
                 pltpu.VMEM((kd, cfg.block_v), jnp.float32),
             ],
-            compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+            compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
             interpret=interpret,
         )(*args)
     outs = list(outs)
@@ -479,81 +404,3 @@ def _state_dims(k, v, layouts):
         h = k.shape[2] // kd
     vd = v.shape[3] if layouts["v"].kind == "head_major" else v.shape[2] // h
     return b, h, kd, vd
-
-
-def _decode_kernel(*refs, cfg: KernelConfig, names, block_h: int):
-    r = _unpack(refs, names)
-    f32 = jnp.float32
-    q = r["q"][...].astype(f32).T * cfg.scale  # [K, block_h]
-    k = r["k"][...].astype(f32).T  # [K, block_h]
-    v = r["v"][...].astype(f32)  # [block_h, bv]
-    decay = None
-    if cfg.gate_kind == "key":
-        decay = jnp.exp(r["g"][...].astype(f32)).T  # [K, block_h]
-    elif cfg.gate_kind == "head":
-        decay = jnp.exp(r["g"][...].astype(f32))  # [block_h, 1]
-    out = jnp.zeros(v.shape, f32)
-    for j in range(block_h):
-        if "s0" in r:
-            a = None
-            if decay is not None:
-                a = decay[:, j : j + 1] if cfg.gate_kind == "key" else decay[j : j + 1, :]
-            state = _advance(r["s0"][j], a, k[:, j : j + 1], v[j : j + 1, :])
-        else:
-            state = k[:, j : j + 1] * v[j : j + 1, :]
-        if "final" in r:
-            r["final"][j] = state
-        out = _place_row(out, j, jnp.sum(q[:, j : j + 1] * state, axis=0, keepdims=True))
-    r["o"][...] = out.astype(r["o"].dtype)
-
-
-def recurrent_decode(q, k, v, g, s0, *, cfg: KernelConfig, block_h: int, emit_final: bool,
-                     interpret):
-    """One token for every (batch row, head): T = 1, block_h heads per grid step.
-
-    Args:
-      q, k: [B, H, K]; v: [B, H, V] (the [B, 1, H, D] inputs reshaped, no copy).
-      g: [B, H, K] (per key), [B, H, 1] (per head), both float32, or None.
-      s0: [B, H, K, V] float32 or None.
-    Returns:
-      (o [B, H, V] in v's dtype, final [B, H, K, V] float32 or None).
-    """
-    b, h, kd = q.shape
-    vd = v.shape[2]
-    bv, bh = cfg.block_v, block_h
-    nv = vd // bv
-    names, args, in_specs = [], [], []
-
-    def head_spec(d):
-        return pl.BlockSpec((None, bh, d), lambda bi, hi, j: (bi, hi, 0))
-
-    for name, x, spec in (
-        ("q", q, head_spec(kd)),
-        ("k", k, head_spec(kd)),
-        ("v", v, pl.BlockSpec((None, bh, bv), lambda bi, hi, j: (bi, hi, j))),
-        ("g", g, None if g is None else head_spec(g.shape[2])),
-        ("s0", s0, pl.BlockSpec((None, bh, kd, bv), lambda bi, hi, j: (bi, hi, 0, j))),
-    ):
-        if x is not None:
-            names.append(name)
-            args.append(x)
-            in_specs.append(spec)
-    names.append("o")
-    out_shapes = [jax.ShapeDtypeStruct((b, h, vd), v.dtype)]
-    out_specs = [pl.BlockSpec((None, bh, bv), lambda bi, hi, j: (bi, hi, j))]
-    if emit_final:
-        names.append("final")
-        out_shapes.append(jax.ShapeDtypeStruct((b, h, kd, vd), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, bh, kd, bv), lambda bi, hi, j: (bi, hi, 0, j)))
-    kernel = functools.partial(_decode_kernel, cfg=cfg, names=tuple(names), block_h=bh)
-    with jax.named_scope(f"gla_recurrent_decode_block_h={bh}_block_v={bv}"):
-        outs = pl.pallas_call(
-            kernel,
-            grid=(b, h // bh, nv),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            out_shape=out_shapes,
-            compiler_params=_compiler_params(("parallel", "parallel", "parallel")),
-            interpret=interpret,
-        )(*args)
-    return outs[0], (outs[1] if emit_final else None)

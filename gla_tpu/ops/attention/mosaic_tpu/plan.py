@@ -1,28 +1,21 @@
-"""The "mosaic_tpu" attention backend: softmax flash attention as Pallas TPU (Mosaic) kernels.
-
-Forward and backward (dq; dk/dv) kernels live in `mosaic_tpu_kernels.py`, the custom_vjp wiring in
-`mosaic_tpu_vjp.py`; this module holds the performance knobs (`BlockSizes`), the capability check
-and the layout step: [B, T, H, D] inputs become head-major [B, H, Tp, D] copies padded to the block
-grid, so that every block's last two dims are (block, D) with D the full dim (D = 64 included).
-Design, VMEM footprints and roofline: docs/attention_mosaic_tpu.md.
+"""Tiling plan of the Mosaic TPU flash attention: block sizes, their resolution against a
+problem, VMEM footprints and the kernels' cost estimates (docs/attention_mosaic_tpu.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-from gla_tpu.ops.attention import mosaic_tpu_vjp
-from gla_tpu.ops.attention.mosaic_tpu_kernels import NUM_LANES, KernelConfig
-from gla_tpu.ops.common.gating import pad_time
-from gla_tpu.ops.common.tpu_interpret import tpu_interpret_params
+from gla_tpu.ops.common.flops import attention_matmul_flops
+from gla_tpu.ops.common.tpu import LANES, tpu_interpret_params
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Sequence blocks are lane dims of the score tiles and of the lse/di/segment rows.
-BLOCK_MULTIPLE = NUM_LANES
+BLOCK_MULTIPLE = LANES
 
 _BLOCK_FIELDS = (
     "block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv",
@@ -91,23 +84,44 @@ class BlockSizes:
                    block_kv_dq=512, block_q_dkv=512, block_kv_dkv=256)
 
 
-def check_supported(problem, block_sizes) -> None:
-    """Raises NotImplementedError for a problem this backend cannot take, ValueError for bad knobs."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(
-            "block_sizes for backend='mosaic_tpu' must be None or "
-            f"gla_tpu.ops.attention.mosaic_tpu.BlockSizes; got {block_sizes!r}."
-        )
-    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(
-            f"the 'mosaic_tpu' flash_attention kernel takes head_dim in {SUPPORTED_HEAD_DIMS}; "
-            f"got head_dim={problem.head_dim}. backend='xla' takes any head_dim."
-        )
-    if jnp.dtype(problem.dtype) not in SUPPORTED_DTYPES:
-        raise NotImplementedError(
-            "the 'mosaic_tpu' flash_attention kernel takes bfloat16 or float32 inputs; got "
-            f"{jnp.dtype(problem.dtype).name}. backend='xla' takes any floating dtype."
-        )
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static description of one call: problem semantics plus resolved (clamped) block sizes."""
+
+    batch: int
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    q_len: int  # T, unpadded
+    kv_len: int  # S, unpadded
+    q_len_padded: int  # Tp
+    kv_len_padded: int  # Sp
+    causal: bool
+    sm_scale: float
+    has_segments: bool
+    block_q: int
+    block_kv: int
+    block_kv_compute: int
+    block_q_dq: int
+    block_kv_dq: int
+    block_q_dkv: int
+    block_kv_dkv: int
+    vmem_limit_bytes: int | None
+    interpret: Any  # False or a pltpu.InterpretParams
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (G)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def offset(self) -> int:
+        """Bottom-right causal shift: query i sees key j iff j <= i + offset."""
+        return self.kv_len - self.q_len
+
+    @property
+    def kv_padded(self) -> bool:
+        return self.kv_len_padded != self.kv_len
 
 
 def _block_cap(length: int) -> int:
@@ -140,37 +154,42 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelC
     )
 
 
-def _head_major(x, length_padded: int):
-    """[B, T, H, D] -> [B, H, Tp, D], zero-padded along time."""
-    return pad_time(jnp.swapaxes(x, 1, 2), length_padded, axis=2)
+def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
+                        *, block_kv_compute: int | None = None, segments: bool = False) -> int:
+    """VMEM footprint of one kernel from its block sizes (docs/attention_mosaic_tpu.md).
 
-
-def _segment_rows(seg, length_padded: int):
-    """[B, T] int32 -> [B, 1, Tp] (padding is masked by position, its id does not matter)."""
-    return pad_time(seg, length_padded, axis=1)[:, None, :]
-
-
-def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
-    """Backend entry called by `gla_tpu.ops.flash_attention` after validation.
-
-    Args:
-      q: [B, T, H, D]; k, v: [B, S, Hkv, D] (bfloat16 or float32, D in SUPPORTED_HEAD_DIMS).
-      problem: the validated AttentionProblem.
-      q_segment_ids, kv_segment_ids: [B, T], [B, S] int32, or both None.
-      block_sizes: BlockSizes or None for `BlockSizes.default(D)`.
-      interpret: False, True (TPU interpret mode, NaN-filled uninitialized memory) or
-        a pltpu.InterpretParams.
-    Returns:
-      o: [B, T, H, D] in q's dtype.
+    Counts double-buffered input/output blocks, scratch, and the float32 [block_q, block_kv]
+    temporaries the body keeps live (s, p, dp, ds) plus p's cast to the input dtype. A [1, n] row
+    occupies 8 sublanes. Mosaic may reuse temporaries, so this is an upper-bound-style estimate.
     """
-    check_supported(problem, block_sizes)
-    cfg = kernel_config(problem, block_sizes, interpret)
-    qh = _head_major(q, cfg.q_len_padded)  # [B, H, Tp, D]
-    kh = _head_major(k, cfg.kv_len_padded)  # [B, Hkv, Sp, D]
-    vh = _head_major(v, cfg.kv_len_padded)
-    q_seg = kv_seg = None
-    if problem.has_segments:
-        q_seg = _segment_rows(q_segment_ids, cfg.q_len_padded)  # [B, 1, Tp]
-        kv_seg = _segment_rows(kv_segment_ids, cfg.kv_len_padded)  # [B, 1, Sp]
-    o = mosaic_tpu_vjp.attention(cfg, qh, kh, vh, q_seg, kv_seg)  # [B, H, Tp, D]
-    return jnp.swapaxes(o[:, :, : problem.q_len], 1, 2)
+    bq, bkv, d = block_q, block_kv, head_dim
+    rows = lambda n: 8 * n * 4  # noqa: E731  a [1, n] float32/int32 row block
+    seg = 2 * (rows(bq) + rows(bkv)) if segments else 0
+    if kind == "fwd":
+        bkc = block_kv_compute or bkv
+        io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + bq * LANES * 4)
+        scratch = 2 * bq * LANES * 4 + bq * d * 4
+        temps = bq * bkc * (2 * 4 + itemsize)
+    elif kind == "dq":
+        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq) + 2 * bq * d * itemsize
+        scratch = bq * d * 4
+        temps = bq * bkv * (4 * 4 + itemsize)
+    elif kind == "dkv":
+        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq)
+        io += 2 * 2 * bkv * d * itemsize
+        scratch = 2 * bkv * d * 4
+        temps = bq * bkv * (4 * 4 + itemsize)
+    else:
+        raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
+    return io + scratch + temps + seg
+
+
+def cost_estimate(cfg: KernelConfig, *, passes: int, arrays, out_shape) -> pl.CostEstimate:
+    """Matmul FLOPs of one kernel over the visible score matrix (passes=1 forward, 2 dq, 3 dk/dv),
+    one exponential per score, and the bytes of its operands."""
+    flops = attention_matmul_flops(cfg.batch, cfg.q_len, cfg.kv_len, cfg.num_heads,
+                                   cfg.head_dim, causal=cfg.causal, matmuls=passes + 1)
+    trans = cfg.batch * cfg.num_heads * cfg.q_len * cfg.kv_len
+    nbytes = sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+    nbytes += sum(o.size * jnp.dtype(o.dtype).itemsize for o in out_shape)
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(trans), bytes_accessed=int(nbytes))

@@ -1,0 +1,72 @@
+"""Entry of the "mosaic_tpu" attention backend: what it takes, and the call.
+
+The layout step happens here: [B, T, H, D] inputs become head-major [B, H, Tp, D] copies padded to
+the block grid, so that every block's last two dims are (block, D) with D the full dim (D = 64
+included). Kernels: kernels.py; custom_vjp: vjp.py; tiles and VMEM: plan.py.
+Design, VMEM footprints and roofline: docs/attention_mosaic_tpu.md.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from gla_tpu.ops.attention.mosaic_tpu import vjp
+from gla_tpu.ops.attention.mosaic_tpu.plan import BlockSizes, kernel_config
+from gla_tpu.ops.common.padding import pad_time
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+def check_supported(problem, block_sizes) -> None:
+    """Raises NotImplementedError for a problem this backend cannot take, ValueError for bad knobs."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(
+            "block_sizes for backend='mosaic_tpu' must be None or "
+            f"gla_tpu.ops.attention.mosaic_tpu.BlockSizes; got {block_sizes!r}."
+        )
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(
+            f"the 'mosaic_tpu' flash_attention kernel takes head_dim in {SUPPORTED_HEAD_DIMS}; "
+            f"got head_dim={problem.head_dim}. backend='xla' takes any head_dim."
+        )
+    if jnp.dtype(problem.dtype) not in SUPPORTED_DTYPES:
+        raise NotImplementedError(
+            "the 'mosaic_tpu' flash_attention kernel takes bfloat16 or float32 inputs; got "
+            f"{jnp.dtype(problem.dtype).name}. backend='xla' takes any floating dtype."
+        )
+
+
+def _head_major(x, length_padded: int):
+    """[B, T, H, D] -> [B, H, Tp, D], zero-padded along time."""
+    return pad_time(jnp.swapaxes(x, 1, 2), length_padded, axis=2)
+
+
+def _segment_rows(seg, length_padded: int):
+    """[B, T] int32 -> [B, 1, Tp] (padding is masked by position, its id does not matter)."""
+    return pad_time(seg, length_padded, axis=1)[:, None, :]
+
+
+def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+    """Backend entry called by `gla_tpu.ops.flash_attention` after validation.
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, S, Hkv, D] (bfloat16 or float32, D in SUPPORTED_HEAD_DIMS).
+      problem: the validated AttentionProblem.
+      q_segment_ids, kv_segment_ids: [B, T], [B, S] int32, or both None.
+      block_sizes: BlockSizes or None for `BlockSizes.default(D)`.
+      interpret: False, True (TPU interpret mode, NaN-filled uninitialized memory) or
+        a pltpu.InterpretParams.
+    Returns:
+      o: [B, T, H, D] in q's dtype.
+    """
+    check_supported(problem, block_sizes)
+    cfg = kernel_config(problem, block_sizes, interpret)
+    qh = _head_major(q, cfg.q_len_padded)  # [B, H, Tp, D]
+    kh = _head_major(k, cfg.kv_len_padded)  # [B, Hkv, Sp, D]
+    vh = _head_major(v, cfg.kv_len_padded)
+    q_seg = kv_seg = None
+    if problem.has_segments:
+        q_seg = _segment_rows(q_segment_ids, cfg.q_len_padded)  # [B, 1, Tp]
+        kv_seg = _segment_rows(kv_segment_ids, cfg.kv_len_padded)  # [B, 1, Sp]
+    o = vjp.attention(cfg, qh, kh, vh, q_seg, kv_seg)  # [B, H, Tp, D]
+    return jnp.swapaxes(o[:, :, : problem.q_len], 1, 2)

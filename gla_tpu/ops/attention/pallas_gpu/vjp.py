@@ -1,0 +1,51 @@
+"""custom_vjp wiring of the GPU flash attention kernels.
+
+The forward (Mosaic GPU on Hopper where it applies, Triton elsewhere) saves o and the base-2
+log-sum-exp; the backward computes delta = rowsum(o * do) once and runs the Triton dq and dk/dv
+kernels. Arrays are [B, T, H, D], padded to the block multiples by entry.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_forward
+from gla_tpu.ops.attention.pallas_gpu import kernels_triton as kernels
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def attention(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
+    """o [B, Tp, H, D] from q [B, Tp, H, D], k, v [B, Sp, Hkv, D], segment ids or None."""
+    o, _ = _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
+    return o
+
+
+def _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
+    if tiles is not None:
+        return kernels_mosaic_forward.forward(q, k, v, geo=geo, tiles=tiles, interpret=interpret)
+    return kernels.forward(q, k, v, q_seg, kv_seg, geo=geo, block_q=sizes.block_q,
+                           block_kv=sizes.block_kv, num_warps=sizes.num_warps,
+                           num_stages=sizes.num_stages, interpret=interpret)
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
+    o, lse = _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
+    return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _attention_bwd(geo, sizes, tiles, interpret, residuals, do):
+    q, k, v, q_seg, kv_seg, o, lse = residuals
+    # delta_i = sum_d o_id do_id, [B, H, Tp]: one fused elementwise pass, left to XLA
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    common = dict(geo=geo, num_stages=sizes.num_stages_bwd, interpret=interpret)
+    dq = kernels.backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, block_q=sizes.block_q_dq,
+                             block_kv=sizes.block_kv_dq, num_warps=sizes.num_warps_dq, **common)
+    dk, dv = kernels.backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta,
+                                  block_q=sizes.block_q_dkv, block_kv=sizes.block_kv_dkv,
+                                  num_warps=sizes.num_warps_dkv, **common)
+    return dq, dk, dv, None, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,124 @@
+"""Entry of the "mosaic_tpu" GLA backend: what it takes, and the call, dispatched by mode.
+
+"chunk" and "fused_chunk": pad T to a multiple of the chunk, compute the chunk-local gate sums b
+outside the kernels (Mosaic has no in-kernel cumsum) and the segment index relative to each
+chunk's entering state, then run vjp.chunked. "fused_recurrent": the per-token segment keep, then
+vjp.recurrent. Kernels: kernels_chunk.py (+ kernels_chunk_tile.py), kernels_recurrent.py,
+kernels_decode.py; layouts and blocks: plan.py. docs/gla_mosaic_tpu.md and
+docs/gla_mosaic_tpu_recurrent.md describe the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
+from gla_tpu.ops.common.padding import pad_segment_index, pad_time
+from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.common.tpu import tpu_interpret_params
+from gla_tpu.ops.gla.mosaic_tpu import vjp
+from gla_tpu.ops.gla.mosaic_tpu.plan import (
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    BlockSizes,
+    ChunkConfig,
+    recurrent_plan,
+)
+
+# The dtypes the kernels are tested and compiled for (float16 has no native TPU matmul path).
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def check_supported(problem, block_sizes) -> None:
+    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
+    ValueError for block sizes of the wrong type."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(
+            "block_sizes for backend='mosaic_tpu' must be None or "
+            f"gla_tpu.ops.gla.mosaic_tpu.BlockSizes; got {block_sizes!r}."
+        )
+    if jnp.dtype(problem.dtype) not in SUPPORTED_DTYPES:
+        raise NotImplementedError(
+            "the 'mosaic_tpu' gla backend takes bfloat16 or float32 q, k, v; got "
+            f"{jnp.dtype(problem.dtype).name}. backend='xla' takes any floating dtype."
+        )
+    for name, d in (("K", problem.key_dim), ("V", problem.value_dim)):
+        if d % MIN_HEAD_DIM or not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"the 'mosaic_tpu' gla backend needs {name} to be a multiple of {MIN_HEAD_DIM} "
+                f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got {name}={d}. backend='xla' takes any "
+                "head dim."
+            )
+    if problem.mode == "fused_recurrent":
+        recurrent_plan(problem, block_sizes or BlockSizes())
+
+
+def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
+    """The "mosaic_tpu" GLA; see `gla_tpu.ops.gla` (arguments already validated and checked).
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K], [B, T, H] or None (log gates <= 0).
+      problem: the validated GLAProblem.
+      initial_state: [B, H, K, V] float32 or None; segment_ids: [B, T] int32 or None.
+      block_sizes: BlockSizes or None.
+      interpret: False, True (TPU interpret mode, NaN-filled memory) or pltpu.InterpretParams.
+    Returns:
+      (o [B, T, H, V] in v's dtype, final state [B, H, K, V] float32 or None).
+    """
+    block_sizes = block_sizes or BlockSizes()
+    if problem.mode == "fused_recurrent":
+        return _fused_recurrent(q, k, v, g, problem=problem, initial_state=initial_state,
+                                segment_ids=segment_ids, interpret=interpret,
+                                block_sizes=block_sizes)
+    return _chunked_gla(q, k, v, g, initial_state, segment_ids, problem=problem,
+                        interpret=interpret, block_sizes=block_sizes)
+
+
+# One jitted program per problem: padding, gate sums, layouts and kernels compile together.
+@functools.partial(jax.jit, static_argnames=("problem", "interpret", "block_sizes"))
+def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, block_sizes):
+    b, t, h, kd = q.shape
+    vd = v.shape[-1]
+    c = problem.chunk_size
+    q_p, k_p, v_p = (pad_time(x, c) for x in (q, k, v))
+    tp = q_p.shape[1]
+    # Zero log gates in the padding: padded tokens (k = v = 0) change neither o nor the state.
+    bsum = None if g is None else chunk_local_cumsum(pad_time(g, c), c)
+    rel = None
+    if segment_ids is not None:
+        rel = _relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
+    cfg = ChunkConfig(
+        batch=b, seq_len=tp, num_heads=h, key_dim=kd, value_dim=vd, chunk=c,
+        block_v=block_sizes.resolve_block_v(vd), gate_kind=problem.gate_kind,
+        has_segments=rel is not None, has_initial_state=initial_state is not None,
+        scale=float(problem.scale), dtype=jnp.dtype(q.dtype),
+    )
+    with jax.named_scope(f"gla_mosaic_tpu_{problem.mode}"):
+        o, final = vjp.chunked(cfg, problem.mode, interpret, q_p, k_p, v_p, bsum, initial_state,
+                               rel)
+    return o[:, :t], (final if problem.output_final_state else None)
+
+
+def _relative_segments(seg, c):
+    """[B, T] running segment index -> index minus that of the token before each chunk."""
+    b, t = seg.shape
+    before = jnp.concatenate([seg[:, :1], seg[:, c - 1:-1:c]], axis=1)  # [B, N]
+    rel = seg.reshape(b, t // c, c) - before[:, :, None]
+    return rel.reshape(b, t)
+
+
+def _fused_recurrent(q, k, v, g, *, problem, initial_state, segment_ids, interpret, block_sizes):
+    plan = recurrent_plan(problem, block_sizes)
+    gates = None if g is None else g.astype(jnp.float32)
+    keep = None
+    if plan.cfg.has_keep:
+        seg = segment_index(segment_ids)
+        keep = jnp.concatenate(
+            [jnp.ones((seg.shape[0], 1), bool), seg[:, 1:] == seg[:, :-1]], axis=1
+        ).astype(jnp.float32)  # [B, T]: 0 where a new segment starts
+    core = vjp.recurrent(plan, tpu_interpret_params(interpret))
+    o, final = core(q, k, v, gates, keep, initial_state)
+    return o, (final if problem.output_final_state else None)

@@ -1,0 +1,191 @@
+"""custom_vjp wiring of the Mosaic TPU GLA kernels: the chunked modes and fused_recurrent.
+
+Chunked modes (docs/gla_mosaic_tpu.md): the custom_vjp's inputs are (q, k, v, b, initial state)
+with b the chunk-local gate sums computed outside the kernels; JAX's autodiff of that cumsum turns
+db into dg. db = q*dq - k*dk + (at each chunk's last token) an "edge" row the backward kernels
+return beside dq, dk, dv; d initial state comes from the kernel that materializes the state
+cotangents. "fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs /
+states + dstates + bwd_chunk (kernels_chunk.py).
+
+fused_recurrent (docs/gla_mosaic_tpu_recurrent.md): the forward kernel, or the decode kernel at
+T = 1; the backward reruns the forward to checkpoint the state at every time block, then the
+reversed recurrence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk, kernels_decode, kernels_recurrent
+from gla_tpu.ops.gla.mosaic_tpu.plan import (
+    RecurrentPlan,
+    chunk_kernel_arrays,
+    pad_state,
+    recurrent_inputs,
+    seq_pack,
+    seq_unpack,
+    transpose_state,
+    unpad_state,
+)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def chunked(cfg, mode, interpret, q, k, v, bsum, s0, rel):
+    """(o [B, Tp, H, V], final state [B, H, K, V] float32) of the chunked modes from padded q, k, v,
+    the chunk-local gate sums bsum [B, Tp, H, K] / [B, Tp, H] float32 or None, the initial state
+    or None, and the relative segment index rel [B, Tp] or None."""
+    (o, final), _ = _core_fwd(cfg, mode, interpret, q, k, v, bsum, s0, rel)
+    return o, final
+
+
+def _core_fwd(cfg, mode, interpret, q, k, v, bsum, s0, rel):
+    arrays = chunk_kernel_arrays(cfg, q, k, v, bsum, s0, rel)
+    if mode == "fused_chunk":
+        out = kernels_chunk.run(cfg, "fused_fwd", arrays, interpret=interpret)
+    else:
+        states = kernels_chunk.run(cfg, "states", arrays, interpret=interpret)
+        out = kernels_chunk.run(cfg, "outputs", {**arrays, "states": states["states"]},
+                          interpret=interpret)
+        out["final"] = states["final"]
+    o = seq_unpack(out["o"], cfg.num_heads, cfg.value_dim)
+    final = transpose_state(out["final"])
+    return (o, final), (q, k, v, bsum, s0, rel)
+
+
+def _core_bwd(cfg, mode, interpret, residuals, cotangents):
+    q, k, v, bsum, s0, rel = residuals
+    do, dfinal = cotangents
+    arrays = chunk_kernel_arrays(cfg, q, k, v, bsum, s0, rel)
+    arrays["do"] = seq_pack(do.astype(cfg.dtype))
+    arrays["dfinal"] = transpose_state(dfinal.astype(jnp.float32))
+    dstates = kernels_chunk.run(cfg, "dstates", arrays, interpret=interpret)
+    arrays["dstates"] = dstates["dstates"]
+    if mode == "fused_chunk":
+        grads = kernels_chunk.run(cfg, "bwd_fused", arrays, interpret=interpret)
+    else:
+        arrays["states"] = kernels_chunk.run(cfg, "states", arrays, interpret=interpret)["states"]
+        grads = kernels_chunk.run(cfg, "bwd_chunk", arrays, interpret=interpret)
+    # Partial sums over V blocks, head-major float32 -> [B, T, H, K].
+    dq, dk = (jnp.transpose(jnp.sum(grads[x], axis=0), (0, 2, 1, 3)) for x in ("dq", "dk"))
+    dv = seq_unpack(grads["dv"], cfg.num_heads, cfg.value_dim)
+    db = None if bsum is None else _gate_sum_grad(cfg, q, k, dq, dk, _rows(grads["edge"]))
+    ds0 = None if s0 is None else transpose_state(dstates["ds0"])
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db, ds0, None)
+
+
+def _rows(x):
+    """[nV, B, H, N, 1, K] per-V-block rows -> [B, N, H, K] summed over V blocks."""
+    return jnp.transpose(jnp.sum(x, axis=(0, 4)), (0, 2, 1, 3))
+
+
+def _gate_sum_grad(cfg, q, k, dq, dk, edge):
+    """d loss / d b for the chunk-local gate sums b (docs/gla_mosaic_tpu.md, "dg").
+
+    Every term of o and of the states carries b as a factor exp(b_i) of q_i, exp(-b_j) of k_j, or
+    exp(b_last) of the whole state leaving a chunk; so db_t = q_t dq_t - k_t dk_t, plus at each
+    chunk's last token `edge` ([B, N, H, K]), which equals <S_out, dS_out> summed over V.
+    """
+    b, t, h = cfg.batch, cfg.seq_len, cfg.num_heads
+    n, c = cfg.num_chunks, cfg.chunk
+    u = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk  # [B, T, H, K]
+    if cfg.gate_kind == "head":
+        u = jnp.sum(u, axis=-1, keepdims=True)
+        edge = jnp.sum(edge, axis=-1, keepdims=True)
+    u = u.reshape(b, n, c, h, u.shape[-1])
+    last_row = u[:, :, -1] + edge
+    db = jnp.concatenate([u[:, :, :-1], last_row[:, :, None]], axis=2).reshape(b, t, h, -1)
+    return db if cfg.gate_kind == "key" else db[..., 0]
+
+
+chunked.defvjp(_core_fwd, _core_bwd)
+
+
+def recurrent(plan: RecurrentPlan, interpret):
+    """The custom_vjp function of (q, k, v, g float32 | None, keep | None, s0 | None)."""
+
+    @jax.custom_vjp
+    def core(q, k, v, g, keep, s0):
+        return _forward(plan, interpret, q, k, v, g, keep, s0)
+
+    def core_fwd(q, k, v, g, keep, s0):
+        return _forward(plan, interpret, q, k, v, g, keep, s0), (q, k, v, g, keep, s0)
+
+    def core_bwd(res, cts):
+        q, k, v, g, keep, s0 = res
+        do, dfinal = cts
+        dq, dk, dv, dg, ds0 = _backward(plan, interpret, q, k, v, g, keep, s0, do, dfinal)
+        dkeep = None if keep is None else jnp.zeros_like(keep)
+        return dq, dk, dv, dg, dkeep, ds0
+
+    core.defvjp(core_fwd, core_bwd)
+    return core
+
+
+def _forward(plan: RecurrentPlan, interpret, q, k, v, g, keep, s0):
+    _, t, h, _ = q.shape
+    if plan.decode_block_h:
+        return _decode(plan, interpret, q, k, v, g, s0)
+    qk, kk, vk, gk, kp = recurrent_inputs(plan, q, k, v, g, keep)
+    o, *rest = kernels_recurrent.recurrent_forward(
+        qk, kk, vk, gk, kp, pad_state(plan, s0), cfg=plan.cfg, layouts=plan.layouts(),
+        nt=plan.num_time_blocks, nv=plan.num_v_blocks, emit_o=True,
+        emit_final=plan.output_final_state, emit_checkpoints=False, o_shape=vk.shape,
+        o_dtype=v.dtype, interpret=interpret,
+    )
+    o = plan.values.from_kernel(o, heads=h, seq_len=t, partial=False)
+    final = unpad_state(plan, rest[0]) if plan.output_final_state else None
+    return o, final
+
+
+def _decode(plan: RecurrentPlan, interpret, q, k, v, g, s0):
+    b, _, h, kd = q.shape
+    vd = v.shape[-1]
+    gk = None
+    if g is not None:
+        gk = g.reshape(b, h, kd) if g.ndim == 4 else g.reshape(b, h, 1)
+    cfg = dataclasses.replace(plan.cfg, key_dim=kd, block_v=plan.decode_block_v)
+    o, final = kernels_decode.recurrent_decode(
+        q.reshape(b, h, kd), k.reshape(b, h, kd), v.reshape(b, h, vd), gk, s0, cfg=cfg,
+        block_h=plan.decode_block_h, emit_final=plan.output_final_state, interpret=interpret,
+    )
+    return o.reshape(b, 1, h, vd), final
+
+
+def _backward(plan: RecurrentPlan, interpret, q, k, v, g, keep, s0, do, dfinal):
+    _, t, h, _ = q.shape
+    layouts = plan.layouts()
+    nv = plan.num_v_blocks
+    qk, kk, vk, gk, kp = recurrent_inputs(plan, q, k, v, g, keep)
+    dok = plan.values.to_kernel(do.astype(v.dtype), plan.padded_len)
+    (checkpoints,) = kernels_recurrent.recurrent_forward(
+        None, kk, vk, gk, kp, pad_state(plan, s0), cfg=plan.cfg, layouts=layouts,
+        nt=plan.num_time_blocks, nv=nv, emit_o=False, emit_final=False, emit_checkpoints=True,
+        o_shape=None, o_dtype=None, interpret=interpret,
+    )
+    direct = nv == 1
+    grad_dtypes = {
+        "dq": q.dtype if direct else jnp.float32,
+        "dk": k.dtype if direct else jnp.float32,
+        "dv": v.dtype,
+        "dg": jnp.float32,
+    }
+    dfinal = pad_state(plan, dfinal) if plan.output_final_state else None
+    dq, dk, dv, dg, ds0 = kernels_recurrent.recurrent_backward(
+        qk, kk, vk, gk, kp, dok, checkpoints, dfinal, cfg=plan.cfg, layouts=layouts,
+        nt=plan.num_time_blocks, nv=nv, has_initial_state=s0 is not None,
+        grad_dtypes=grad_dtypes, interpret=interpret,
+    )
+    unk = lambda x: plan.keys.from_kernel(x, heads=h, seq_len=t, partial=True)  # noqa: E731
+    dq = unk(dq).astype(q.dtype)
+    dk = unk(dk).astype(k.dtype)
+    dv = plan.values.from_kernel(dv, heads=h, seq_len=t, partial=False)
+    if dg is not None:
+        if g.ndim == 4:
+            dg = unk(dg)
+        else:  # [NV, B, H, Tp, 1] -> [B, T, H]
+            dg = jnp.sum(dg[..., 0], axis=0)
+            dg = jnp.transpose(dg, (0, 2, 1))[:, :t]
+    return dq, dk, dv, dg, unpad_state(plan, ds0)

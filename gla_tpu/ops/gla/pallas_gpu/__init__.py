@@ -1,0 +1,15 @@
+"""The "pallas_gpu" GLA backend (Pallas on NVIDIA GPUs, Triton lowering): the chunked algorithm
+for every mode, a token-by-token forward for decoding.
+
+    entry.py              what the backend takes, and the call (padding, gates, segment masks)
+    vjp.py                jax.custom_vjp wiring of the kernels
+    kernels_state.py      the chunk-state pass, forward and reversed
+    kernels_intra.py      intra-chunk scores, dA, and dq / dk / dg
+    kernels_output.py     outputs and dv
+    kernels_recurrent.py  the few-token (decode) forward
+    plan.py               ChunkGeometry, tiles, padded head dims
+"""
+
+from gla_tpu.ops.gla.pallas_gpu.entry import check_supported, gla
+
+__all__ = ["check_supported", "gla"]

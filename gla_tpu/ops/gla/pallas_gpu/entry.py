@@ -1,0 +1,89 @@
+"""Entry of the "pallas_gpu" GLA backend: what it takes, and the call.
+
+Every mode runs the chunked kernels (docs/gpu_backend.md says why: "fused_chunk" and
+"fused_recurrent" compute the same function and the chunked path is the fastest correct one
+written for the GPU); a few tokens without segments run the token-by-token forward. This module
+pads T, K and V, broadcasts gates to [B, T, H, K] float32 and builds the segment masks in XLA;
+vjp.py wires the kernels, plan.py holds the tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common.backends import require_gpu_dtype
+from gla_tpu.ops.common.padding import pad_last, pad_segment_index, pad_time
+from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.gla.pallas_gpu import vjp
+from gla_tpu.ops.gla.pallas_gpu.plan import (
+    CHUNK,
+    MAX_DIM,
+    MAX_RECURRENT_T,
+    chunk_geometry,
+    padded_dim,
+)
+
+
+def check_supported(problem, block_sizes) -> None:
+    for name, dim in (("K", problem.key_dim), ("V", problem.value_dim)):
+        if dim > MAX_DIM:
+            raise NotImplementedError(
+                f"the 'pallas_gpu' gla takes {name} <= {MAX_DIM}; got {name}={dim}. "
+                "backend='xla' takes it."
+            )
+    require_gpu_dtype("gla", problem.dtype)
+
+
+def segment_masks(seg, chunk: int):
+    """seg [B, Tp] running segment index -> (reach [B, Tp], last [B, Tp], keep [B, N],
+    start [B, Tp]) float32; start is 1.0 at the first token of every segment but the first."""
+    b, tp = seg.shape
+    n = tp // chunk
+    segc = seg.reshape(b, n, chunk)
+    prev_seg = jnp.concatenate([seg[:, :1], seg[:, chunk - 1 : -1 : chunk]], axis=1)  # [B, N]
+    last_seg = segc[:, :, -1]
+    reach = (segc == prev_seg[:, :, None]).reshape(b, tp).astype(jnp.float32)
+    last = (segc == last_seg[:, :, None]).reshape(b, tp).astype(jnp.float32)
+    keep = (last_seg == prev_seg).astype(jnp.float32)
+    start = jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return reach, last, keep, start.astype(jnp.float32)
+
+
+def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
+    del block_sizes
+    b, t, h, kd = q.shape
+    vd = v.shape[-1]
+    kp, vp = padded_dim(kd), padded_dim(vd)
+    if g is None:
+        gates = jnp.zeros((b, t, h, kd), jnp.float32)
+    elif g.ndim == 3:
+        gates = jnp.broadcast_to(g.astype(jnp.float32)[..., None], (b, t, h, kd))
+    else:
+        gates = g.astype(jnp.float32)
+    # zero q, k, v and zero log gates past T or past K, V leave outputs and states unchanged
+    few_tokens = t <= MAX_RECURRENT_T and segment_ids is None
+    time_block = 1 << (t - 1).bit_length() if few_tokens else CHUNK
+    qp, kp_, gp = (pad_time(pad_last(x, kp), time_block) for x in (q, k, gates))
+    vpad = pad_time(pad_last(v, vp), time_block)
+    s0 = None
+    if initial_state is not None:
+        s0 = jnp.pad(initial_state, [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    seg = reach = last = keep = start = None
+    if segment_ids is not None:
+        seg = pad_segment_index(segment_index(segment_ids), CHUNK)
+        reach, last, keep, start = segment_masks(seg, CHUNK)
+    geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
+                         has_segments=segment_ids is not None,
+                         exact_inter=problem.mode == "fused_recurrent")
+    with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
+        if few_tokens:
+            o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
+        else:
+            o, final = vjp.chunked(qp, kp_, vpad, gp, s0, seg, reach, last, keep, start, geo,
+                                bool(interpret))
+    o = o[:, :t, :, :vd]
+    final = final[:, :, :kd, :vd] if problem.output_final_state else None
+    return o, final
+
+

@@ -1,0 +1,90 @@
+"""custom_vjp wiring of the GPU GLA kernels.
+
+Forward: the chunk-local gate sums b (a triangular product), the state pass, the intra-chunk
+scores and the outputs. Backward: the reversed state pass, dA, then dq, dk, dg and dv. The gate
+gradient comes from dL/db_t = q_t dq_t - k_t dk_t summed backwards within the chunk plus what
+later chunks add through h_{n+1}, rewritten so that no two terms cancel (docs/gpu_backend.md
+derives it; kernels_intra.chunk_dqk computes it). A few tokens without segments run the
+token-by-token forward (decoding) with the chunked backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
+from gla_tpu.ops.common.padding import pad_time
+from gla_tpu.ops.gla.pallas_gpu import (
+    kernels_intra,
+    kernels_output,
+    kernels_recurrent,
+    kernels_state,
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def chunked(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
+    """(o [B, Tp, H, V], final state [B, H, K, V] float32) from inputs padded to whole chunks and
+    padded K, V (entry.py); gates g [B, Tp, H, K] float32."""
+    out, _ = _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret)
+    return out
+
+
+def _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
+    b = chunk_local_cumsum(g, geo.chunk, method="triangular")  # [B, Tp, H, K] float32
+    states, final = kernels_state.state_pass(k, v, b, last, keep, s0, geo=geo, reverse=False,
+                                       interpret=interpret)
+    bounded = kernels_intra.bounded_chunks(b, geo.chunk)  # [B, H, N]: one product per chunk applies
+    a = kernels_intra.intra_scores(q, k, b, seg, bounded, geo=geo, interpret=interpret)
+    o = kernels_output.chunk_output(q, b, reach, a, v, states, geo=geo, interpret=interpret)
+    residuals = (q, k, v, b, s0, seg, reach, last, keep, start, a, states, bounded)
+    return (o, final), residuals
+
+
+def _chunked_bwd(geo, interpret, residuals, cotangents):
+    q, k, v, b, s0, seg, reach, last, keep, start, a, states, bounded = residuals
+    do, dfinal = cotangents
+    do = do.astype(v.dtype)
+    dfinal = dfinal.astype(jnp.float32)
+    dstates, ds0 = kernels_state.state_pass(q, do, b, reach, keep, dfinal, geo=geo, reverse=True,
+                                      interpret=interpret)
+    da = kernels_intra.chunk_da(do, v, seg, geo=geo, interpret=interpret)
+    dq, dk, dg = kernels_intra.chunk_dqk(q, k, v, do, b, da, reach, last, start, keep, states, dstates,
+                                   bounded, geo=geo, interpret=interpret)
+    dv = kernels_output.chunk_dv(k, b, last, a, do, dstates, geo=geo, interpret=interpret)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, None if s0 is None else ds0,
+            None, None, None, None, None)
+
+
+chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def few_tokens(q, k, v, g, s0, geo, interpret):
+    """The recurrence token by token; T (a power of two <= MAX_RECURRENT_T) is padded with zero
+    tokens by the caller, which leave the state unchanged."""
+    return kernels_recurrent.recurrent_forward(q, k, v, g, s0, scale=geo.scale, interpret=interpret)
+
+
+def _few_tokens_fwd(q, k, v, g, s0, geo, interpret):
+    return few_tokens(q, k, v, g, s0, geo, interpret), (q, k, v, g, s0)
+
+
+def _few_tokens_bwd(geo, interpret, residuals, cotangents):
+    """The chunked backward on the inputs padded to one chunk."""
+    q, k, v, g, s0 = residuals
+    t = q.shape[1]
+
+    def on_whole_chunk(q, k, v, g, s0):
+        padded = [pad_time(x, geo.chunk) for x in (q, k, v, g)]
+        o, final = chunked(*padded, s0, None, None, None, None, None, geo, interpret)
+        return o[:, :t], final
+
+    _, vjp = jax.vjp(on_whole_chunk, q, k, v, g, s0)
+    return vjp(cotangents)
+
+
+few_tokens.defvjp(_few_tokens_fwd, _few_tokens_bwd)
