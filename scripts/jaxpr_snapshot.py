@@ -5,7 +5,10 @@ configurations per backend, one text file each, so a refactor can be checked to 
     python scripts/jaxpr_snapshot.py OUT_AFTER    # on the new one
     diff -r OUT_BEFORE OUT_AFTER
 
-Only tracing, no execution: runs on a CPU in about a minute. Names of Python functions that the
+Only tracing, no execution: runs on a CPU in seconds. Where a refactor changes a jaxpr on purpose
+(an equivalent comparison, a reordering), `--run NAME_FILTER` also executes the matching
+configurations on fixed random inputs (Pallas kernels in interpret mode) and writes their values
+and gradients to OUT/NAME.npz, to be compared bitwise between the two commits. Names of Python functions that the
 jaxpr prints (custom_vjp rules, jitted helpers) are replaced by placeholders, since a refactor may
 rename them without changing the computation.
 """
@@ -20,12 +23,35 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from gla_tpu import ops  # noqa: E402
 from gla_tpu.ops.attention.mosaic_tpu import BlockSizes as TpuAttentionBlocks  # noqa: E402
 from gla_tpu.ops.attention.pallas_gpu import BlockSizes as GpuAttentionBlocks  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+RUN = False  # set by --run: execute instead of tracing
+
+
+def _concrete(args):
+    """Fixed random arrays for abstract arguments (None stays None)."""
+    key = jax.random.key(0)
+    out = []
+    for i, a in enumerate(args):
+        if a is None:
+            out.append(None)
+            continue
+        x = jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.float32)
+        if i == 3:  # gla's g: log gates <= 0
+            x = jax.nn.log_sigmoid(x)
+        out.append(x.astype(a.dtype))
+    return out
+
+
+def _trace_or_run(fn, args):
+    if not RUN:
+        return jax.make_jaxpr(fn)(*args)
+    return jax.tree_util.tree_map(np.asarray, fn(*_concrete(args)))
 
 
 def _attention(b, t, s, h, hkv, d, dtype, **kw):
@@ -43,7 +69,7 @@ def _attention(b, t, s, h, hkv, d, dtype, **kw):
         o = ops.flash_attention(q, k, v, segment_ids=segment_ids, **kw)
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
-    return jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
+    return _trace_or_run(jax.value_and_grad(loss, argnums=(0, 1, 2)), [q, kv, kv])
 
 
 def _gla(b, t, h, kd, vd, dtype, gate, *, s0=False, seg=False, forward_only=False, **kw):
@@ -59,11 +85,11 @@ def _gla(b, t, h, kd, vd, dtype, gate, *, s0=False, seg=False, forward_only=Fals
                            output_final_state=True, **kw)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
-    if forward_only:
-        return jax.make_jaxpr(loss)(q, q, v, g, state)
     args = [q, q, v, g, state]
+    if forward_only:
+        return _trace_or_run(loss, args)
     argnums = tuple(i for i, a in enumerate(args) if a is not None)
-    return jax.make_jaxpr(jax.value_and_grad(loss, argnums=argnums))(*args)
+    return _trace_or_run(jax.value_and_grad(loss, argnums=argnums), args)
 
 
 SMALL = TpuAttentionBlocks(block_q=128, block_kv=128, block_q_dq=128, block_kv_dq=128,
@@ -127,15 +153,26 @@ def normalize(text: str) -> str:
     return _RENAMEABLE.sub(lambda m: f"{m.group(1)}=<fn>", text)
 
 
-def main(out_dir: str, only: str | None = None) -> None:
+def main(argv) -> None:
+    global RUN
+    out_dir, rest = argv[0], argv[1:]
+    only = None
+    if rest and rest[0] == "--run":
+        RUN, rest = True, rest[1:]
+    if rest:
+        only = rest[0]
     os.makedirs(out_dir, exist_ok=True)
     for name, build in CONFIGS.items():
         if only and only not in name:
             continue
-        with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
-            f.write(normalize(str(build())))
+        if RUN:
+            leaves = jax.tree_util.tree_leaves(build())
+            np.savez(os.path.join(out_dir, f"{name}.npz"), *leaves)
+        else:
+            with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+                f.write(normalize(str(build())))
         print(name, flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(sys.argv[2:3]))
+    main(sys.argv[1:])

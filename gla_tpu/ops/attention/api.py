@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from gla_tpu.ops.attention.validation import validate_attention
 from gla_tpu.ops.common import backends
-from gla_tpu.ops.common import validation as checks
 
 # Each backend is the module gla_tpu.ops.attention.<backend>, implementing
 # `check_supported(problem, block_sizes)` and
@@ -51,15 +50,9 @@ def flash_attention(
     problem, q_seg, kv_seg = validate_attention(
         q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids
     )
-    checks.check_choice("backend", backend, backends.BACKENDS)
-
-    def check_supported(name: str) -> None:
-        backends.backend_module("attention", name).check_supported(problem, block_sizes)
-
-    chosen = backends.resolve_backend("flash_attention", backend, check_supported)
-    if chosen == backends.XLA and backend == "auto":
-        block_sizes = None  # the fallback has no tiles to tune; the warning said why.
-    return backends.backend_module("attention", chosen).flash_attention(
+    module, block_sizes = backends.dispatch("attention", "flash_attention", backend, problem,
+                                            block_sizes)
+    return module.flash_attention(
         q, k, v, problem=problem, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
         block_sizes=block_sizes, interpret=interpret,
     )

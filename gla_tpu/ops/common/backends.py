@@ -69,6 +69,23 @@ def resolve_backend(op_name: str, backend: str, check_supported: Callable[[str],
     return candidate
 
 
+def dispatch(op_family: str, op_name: str, backend: str, problem, block_sizes):
+    """Validates `backend`, resolves it for `problem` (running the support check once) and returns
+    (the backend module, the block sizes it takes); a fallback from "auto" to "xla" drops the
+    block sizes, which tune kernels the fallback does not have (the warning says why)."""
+    from gla_tpu.ops.common.validation import check_choice
+
+    check_choice("backend", backend, BACKENDS)
+
+    def check_supported(name: str) -> None:
+        backend_module(op_family, name).check_supported(problem, block_sizes)
+
+    chosen = resolve_backend(op_name, backend, check_supported)
+    if chosen == XLA and backend == "auto":
+        block_sizes = None
+    return backend_module(op_family, chosen), block_sizes
+
+
 def backend_module(op_family: str, backend: str):
     """The module of a concrete backend: gla_tpu.ops.<op_family>.<backend> ("attention" or "gla").
 

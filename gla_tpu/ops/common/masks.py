@@ -1,7 +1,8 @@
 """The one definition of which key a query may see, shared by references, XLA backends and kernels.
 
 Causal attention is bottom-right aligned: with T queries and S keys, query i sees key j iff
-j <= i + (S - T). Segment ids restrict a query to keys with an equal id.
+j <= i + (S - T). Segment ids restrict a query to keys with an equal id. Inside a GLA chunk, token
+j reaches token i iff j <= i in the same segment.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def attention_visibility(q_pos, k_pos, *, causal: bool, offset: int, q_seg=None,
 
 def lower_triangular(n: int, dtype=bool):
     """[n, n] with ones on and below the diagonal: token i sees token j iff j <= i."""
-    i = jnp.arange(n)[:, None]
-    j = jnp.arange(n)[None, :]
-    return (j <= i).astype(dtype)
+    return intra_chunk_visibility(jnp.arange(n)[:, None], jnp.arange(n)[None, :]).astype(dtype)
+
+
+def intra_chunk_visibility(q_pos, k_pos, q_seg=None, k_seg=None):
+    """Token k of a chunk reaches token q of the same chunk iff k <= q and, with segments, both
+    lie in one segment. Broadcast over the arguments' shapes (one rank for all)."""
+    visible = k_pos <= q_pos
+    if q_seg is not None:
+        visible = jnp.logical_and(visible, q_seg == k_seg)
+    return visible

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 from gla_tpu.ops.common import backends
-from gla_tpu.ops.common import validation as checks
 from gla_tpu.ops.gla.validation import validate_gla
 
 # Each backend is the module gla_tpu.ops.gla.<backend>, implementing
@@ -67,15 +66,8 @@ def gla(
         output_final_state=output_final_state, segment_ids=segment_ids, mode=mode,
         chunk_size=chunk_size,
     )
-    checks.check_choice("backend", backend, backends.BACKENDS)
-
-    def check_supported(name: str) -> None:
-        backends.backend_module("gla", name).check_supported(problem, block_sizes)
-
-    chosen = backends.resolve_backend("gla", backend, check_supported)
-    if chosen == backends.XLA and backend == "auto":
-        block_sizes = None  # the fallback has no tiles to tune; the warning said why.
-    return backends.backend_module("gla", chosen).gla(
+    module, block_sizes = backends.dispatch("gla", "gla", backend, problem, block_sizes)
+    return module.gla(
         q, k, v, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
         block_sizes=block_sizes, interpret=interpret,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.common.segments import segment_index, token_keeps
 from gla_tpu.ops.gla.validation import validate_gla
 
 
@@ -82,9 +82,7 @@ def gla_recurrent_reference(q, k, v, g=None, *, scale=None, initial_state=None,
         )
         b, t, h, kd = q.shape
         vd = v.shape[-1]
-        keep = jnp.concatenate(
-            [jnp.ones((b, 1), bool), seg[:, 1:] == seg[:, :-1]], axis=1
-        )  # [B, T]: False where a new segment starts
+        keep = token_keeps(seg)  # [B, T]: False where a new segment starts
         state = jnp.zeros((b, h, kd, vd), jnp.float64) if s0 is None else s0
 
         def step(state, xs):

@@ -10,13 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
-from gla_tpu.ops.common.padding import pad_segment_index, pad_time
-from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.common.chunk_cumsum import SUB_CHUNK, chunk_local_cumsum
 from gla_tpu.ops.common.masks import lower_triangular
-
-# Sub-chunk length of the secondary chunking of per-key gates (see docs/gla_math.md).
-SUB_CHUNK = 16
+from gla_tpu.ops.common.padding import pad_segment_index, pad_time
+from gla_tpu.ops.common.segments import (
+    chunk_entry_segments,
+    chunk_segment_masks,
+    segment_index,
+    token_keeps,
+)
 
 
 def check_supported(problem, block_sizes) -> None:
@@ -50,7 +52,7 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
 def _recurrent(q, k, v, gates, s0, seg, scale):
     b, t, h, kd = q.shape
     vd = v.shape[-1]
-    keep = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] == seg[:, :-1]], axis=1)
+    keep = token_keeps(seg)
     state = jnp.zeros((b, h, kd, vd), jnp.float32) if s0 is None else s0
     if gates is None:
         gates = jnp.zeros((b, t, h, 1), jnp.float32)
@@ -88,11 +90,9 @@ def _chunked(q, k, v, gates, s0, seg, scale, c):
         bcum = _to_chunks(chunk_local_cumsum(pad_time(gates, c), c), c)  # [B, H, N, C, Kg]
     qc, kc, vc = (_to_chunks(x, c) for x in (q, k, v))  # [B, H, N, C, K|V]
     segc = seg.reshape(b, 1, n, c)
-    prev_seg = jnp.concatenate([seg[:, :1], seg[:, c - 1 : -1 : c]], axis=1).reshape(b, 1, n, 1)
-    last_seg = segc[..., -1:]
-    reaches = segc == prev_seg  # [B, 1, N, C]: the carried state reaches token i
-    in_last = segc == last_seg  # token j belongs to the chunk's last segment
-    keep = last_seg == prev_seg  # [B, 1, N, 1]: no reset inside the chunk
+    # [B, 1, N, C] reaches / in_last and [B, 1, N, 1] keep (common/segments.py)
+    reaches, in_last, keep = chunk_segment_masks(
+        segc, chunk_entry_segments(seg, c).reshape(b, 1, n, 1))
 
     # Intra-chunk: A[i, j] = sum_k q_ik k_jk exp(b_ik - b_jk), j <= i, same segment.
     scores = _intra_chunk_scores(qc, kc, bcum, dt)  # [B, H, N, C, C] float32

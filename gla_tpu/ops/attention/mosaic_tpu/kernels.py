@@ -32,6 +32,15 @@ def _block_has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: i
     return kv_block * bkv <= (q_block + 1) * bq - 1 + cfg.offset
 
 
+def _run_where_visible(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int, compute):
+    """Runs `compute` for this (q block, kv block) step, or, when causal, only where the q block
+    sees a key of the kv block."""
+    if cfg.causal:
+        pl.when(_block_has_visible_key(cfg, q_block, kv_block, bq, bkv))(compute)
+    else:
+        compute()
+
+
 def _last_kv_block(cfg: KernelConfig, q_block, bq: int, bkv: int):
     """Causal: last kv block that q block `q_block` sees, clamped into the grid."""
     nkv = cfg.kv_len_padded // bkv
@@ -120,10 +129,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
             acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
             m_sc[...] = m_next
 
-    if cfg.causal:
-        pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
-    else:
-        compute()
+    _run_where_visible(cfg, i, j, bq, bkv, compute)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finalize():
@@ -242,10 +248,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
         ds = p * (dp - _column(di_ref))
         dq_sc[...] += product(ds.astype(k.dtype), k)  # [bq, D]
 
-    if cfg.causal:
-        pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
-    else:
-        compute()
+    _run_where_visible(cfg, i, j, bq, bkv, compute)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finalize():
@@ -333,10 +336,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
         ds_t = p_t * (dp_t - di_ref[...])  # [bkv, bq]
         dk_sc[...] += product(ds_t.astype(q.dtype), q)  # [bkv, D]
 
-    if cfg.causal:
-        pl.when(_block_has_visible_key(cfg, i, j, bq, bkv))(compute)
-    else:
-        compute()
+    _run_where_visible(cfg, i, j, bq, bkv, compute)
 
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))
     def _finalize():

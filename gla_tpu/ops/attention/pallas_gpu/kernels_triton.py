@@ -123,6 +123,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
     lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), 0.0)
 
 
+def _probabilities(rows, cols, lse, scale2, vis):
+    """The backward's recomputed softmax, p = exp2(rows cols^T * scale2 - lse), zero where `vis`
+    (None: everything visible) is False: [rows, cols] float32. dq takes q rows and k columns,
+    dk/dv the transpose."""
+    p = jnp.exp2(product(rows, cols, "nt", HIGHEST) * scale2 - lse)
+    return p if vis is None else jnp.where(vis, p, 0.0)
+
+
+def _score_grad(p, d_rows, d_cols, delta):
+    """ds = p * (d_rows d_cols^T - delta): the gradient of the scores, oriented like p."""
+    return p * (product(d_rows, d_cols, "nt", HIGHEST) - delta)
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
                geo: Geometry, block_q: int, block_kv: int):
     q_start = pl.program_id(0) * block_q
@@ -139,13 +152,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         kv_slice = pl.ds(kb * block_kv, block_kv)
         k = k_ref[kv_slice, :]
         v = v_ref[kv_slice, :]
-        p = jnp.exp2(product(q, k, "nt", HIGHEST) * scale2 - lse)  # [block_q, block_kv]
+        vis = None
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
-            p = p if vis is None else jnp.where(vis, p, 0.0)
-        ds = p * (product(do, v, "nt", HIGHEST) - delta)
+        p = _probabilities(q, k, lse, scale2, vis)  # [block_q, block_kv]
+        ds = _score_grad(p, do, v, delta)
         return dq + product(ds.astype(k.dtype), k, "nn", HIGHEST)
 
     full, hi = kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
@@ -172,15 +185,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
         do = do_ref[q_slice, g, :]
         lse = lse_ref[g, q_slice][None, :]  # [1, block_q]
         delta = delta_ref[g, q_slice][None, :]
-        pt = jnp.exp2(product(k, q, "nt", HIGHEST) * scale2 - lse)  # [block_kv, block_q]
+        vis = None
         if masked:
             q_pos = (qb * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]
             q_seg = qseg_ref[q_slice][None, :] if geo.has_segments else None
             # keys past kv_len only produce rows of dk, dv that are sliced away: no length check
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
-            pt = pt if vis is None else jnp.where(vis, pt, 0.0)
+        pt = _probabilities(k, q, lse, scale2, vis)  # [block_kv, block_q]
         dv = dv + product(pt.astype(do.dtype), do, "nn", HIGHEST)
-        dst = pt * (product(v, do, "nt", HIGHEST) - delta)
+        dst = _score_grad(pt, v, do, delta)
         dk = dk + product(dst.astype(q.dtype), q, "nn", HIGHEST)
         return dk, dv
 

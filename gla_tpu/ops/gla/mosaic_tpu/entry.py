@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
-from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.common.segments import chunk_entry_segments, segment_index, token_keeps
 from gla_tpu.ops.common.tpu import tpu_interpret_params
 from gla_tpu.ops.gla.mosaic_tpu import vjp
 from gla_tpu.ops.gla.mosaic_tpu.plan import (
@@ -105,7 +105,7 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
 def _relative_segments(seg, c):
     """[B, T] running segment index -> index minus that of the token before each chunk."""
     b, t = seg.shape
-    before = jnp.concatenate([seg[:, :1], seg[:, c - 1:-1:c]], axis=1)  # [B, N]
+    before = chunk_entry_segments(seg, c)  # [B, N]
     rel = seg.reshape(b, t // c, c) - before[:, :, None]
     return rel.reshape(b, t)
 
@@ -115,10 +115,8 @@ def _fused_recurrent(q, k, v, g, *, problem, initial_state, segment_ids, interpr
     gates = None if g is None else g.astype(jnp.float32)
     keep = None
     if plan.cfg.has_keep:
-        seg = segment_index(segment_ids)
-        keep = jnp.concatenate(
-            [jnp.ones((seg.shape[0], 1), bool), seg[:, 1:] == seg[:, :-1]], axis=1
-        ).astype(jnp.float32)  # [B, T]: 0 where a new segment starts
+        # [B, T]: 0 where a new segment starts
+        keep = token_keeps(segment_index(segment_ids)).astype(jnp.float32)
     core = vjp.recurrent(plan, tpu_interpret_params(interpret))
     o, final = core(q, k, v, gates, keep, initial_state)
     return o, (final if problem.output_final_state else None)

@@ -17,17 +17,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-# Sub-chunk length of the secondary chunking of per-key gates (same as the "xla" backend).
-SUB_CHUNK = 16
-
-_NN = (((1,), (0,)), ((), ()))  # A @ B
-_NT = (((1,), (1,)), ((), ()))  # A @ B^T
-_TN = (((0,), (0,)), ((), ()))  # A^T @ B
+from gla_tpu.ops.common.chunk_cumsum import SUB_CHUNK
+from gla_tpu.ops.common.masks import intra_chunk_visibility
+from gla_tpu.ops.common.products import product
 
 
-def _dot(a, b, dims, dt):
-    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims,
-                               preferred_element_type=jnp.float32)
+def _dot(a, b, layout, dt):
+    """a, b rounded to the input dtype `dt`, multiplied on the MXU in `layout`, float32 result."""
+    return product(a.astype(dt), b.astype(dt), layout)
 
 
 def _iota(shape, axis):
@@ -103,15 +100,14 @@ def _mask_rows(x, rows):
 
 def pair_mask(c: int, seg: Segments | None):
     """[C, C] bool: token i sees token j (j <= i, same segment)."""
-    causal = _iota((c, c), 0) >= _iota((c, c), 1)
     if seg is None:
-        return causal
-    return jnp.logical_and(causal, seg.col == seg.row)
+        return intra_chunk_visibility(_iota((c, c), 0), _iota((c, c), 1))
+    return intra_chunk_visibility(_iota((c, c), 0), _iota((c, c), 1), seg.col, seg.row)
 
 
 def head_decay(gate: Gate, c: int):
     """[C, C] exp(b_i - b_j) below the diagonal (masked before exp), for per-head gates."""
-    causal = _iota((c, c), 0) >= _iota((c, c), 1)
+    causal = pair_mask(c, None)
     return jnp.where(causal, jnp.exp(jnp.where(causal, gate.col - gate.row, 0.0)), 0.0)
 
 
@@ -130,7 +126,7 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
         decay = None if gate.kind == "none" else head_decay(gate, c)
         scores = dq = dk = None
         if want_scores:
-            scores = jnp.where(mask, _mul(_dot(q, k, _NT, dt), decay), 0.0)
+            scores = jnp.where(mask, _mul(_dot(q, k, "nt", dt), decay), 0.0)
         if want_dq or want_dk:
             # The diagonal (i = j, decay 1) stays in float32: its shares of q*dq and k*dk cancel
             # exactly in db (docs/gla_mosaic_tpu.md), which a rounded matmul operand would spoil.
@@ -138,9 +134,9 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
             ds = jnp.where(eye, 0.0, _mul(d_scores, decay))
             d_diag = jnp.sum(jnp.where(eye, d_scores, 0.0), axis=1, keepdims=True)  # [C, 1]
             if want_dq:
-                dq = _dot(ds, k, _NN, dt) + d_diag * k.astype(jnp.float32)
+                dq = _dot(ds, k, "nn", dt) + d_diag * k.astype(jnp.float32)
             if want_dk:
-                dk = _dot(ds, q, _TN, dt) + d_diag * q.astype(jnp.float32)
+                dk = _dot(ds, q, "tn", dt) + d_diag * q.astype(jnp.float32)
         return scores, dq, dk
     return _intra_per_key(q, k, gate.b, mask, dt, d_scores, want_scores, want_dq, want_dk)
 
@@ -167,10 +163,10 @@ def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_dq, want_dk):
         # Keys strictly before the sub-chunk: exp(ref - b_j) <= 1, zero elsewhere.
         before = key_pos < r0  # [C, 1]
         k_scale = jnp.where(before, jnp.exp(jnp.where(before, ref - b, 0.0)), 0.0)  # [C, K]
-        score_i = _dot(q_rel, kf * k_scale, _NT, dt) if want_scores else None  # [s, C]
-        dq_i = _dot(ds_i, kf * k_scale, _NN, dt) * q_scale if want_dq else None  # [s, K]
+        score_i = _dot(q_rel, kf * k_scale, "nt", dt) if want_scores else None  # [s, C]
+        dq_i = _dot(ds_i, kf * k_scale, "nn", dt) * q_scale if want_dq else None  # [s, K]
         if want_dk:
-            dk = dk + _dot(ds_i, q_rel, _TN, dt) * k_scale
+            dk = dk + _dot(ds_i, q_rel, "tn", dt) * k_scale
 
         def diag_step(j, carry, q_i=q_i, k_i=k_i, b_i=b_i, ds_i=ds_i, r0=r0):
             score_i, dq_i, dk_i = carry
@@ -226,18 +222,18 @@ def output(q, k, v, gate, seg, st, scale, dt):
     """One chunk's output from its tokens and entering state ST [bv, K]: [C, bv] float32."""
     c = q.shape[0]
     scores, _, _ = intra(q, k, gate, pair_mask(c, seg), dt, want_scores=True)
-    o = _dot(scores, v, _NN, dt) + _dot(carried_queries(q, gate, seg), st, _NT, dt)
+    o = _dot(scores, v, "nn", dt) + _dot(carried_queries(q, gate, seg), st, "nt", dt)
     return o * scale
 
 
 def next_state(k, v, gate, seg, st, dt):
     """ST_out = keep * ST_in * exp(b_last) + v^T (k * exp(b_last - b))  [bv, K]."""
-    return carry_state(st, gate, seg) + _dot(v, tail_keys(k, gate, seg), _TN, dt)
+    return carry_state(st, gate, seg) + _dot(v, tail_keys(k, gate, seg), "tn", dt)
 
 
 def prev_state_grad(q, gate, seg, dst, do_scaled, dt):
     """Cotangent of the entering state from that of the leaving one: [bv, K]."""
-    return carry_state(dst, gate, seg) + _dot(do_scaled, carried_queries(q, gate, seg), _TN, dt)
+    return carry_state(dst, gate, seg) + _dot(do_scaled, carried_queries(q, gate, seg), "tn", dt)
 
 
 def backward(q, k, v, gate, seg, do_scaled, st, dst, dt):
@@ -251,16 +247,16 @@ def backward(q, k, v, gate, seg, do_scaled, st, dst, dt):
     """
     c = q.shape[0]
     mask = pair_mask(c, seg)
-    d_scores = jnp.where(mask, _dot(do_scaled, v, _NT, dt), 0.0)  # [C, C]
+    d_scores = jnp.where(mask, _dot(do_scaled, v, "nt", dt), 0.0)  # [C, C]
     scores, dq, dk = intra(q, k, gate, mask, dt, d_scores=d_scores, want_scores=True,
                            want_dq=True, want_dk=True)
-    dq_inter = _mul(_dot(do_scaled, st, _NN, dt), gate.to_start())
+    dq_inter = _mul(_dot(do_scaled, st, "nn", dt), gate.to_start())
     dq = dq + _mask_rows(dq_inter, None if seg is None else seg.reaches)
     k_tail = tail_keys(k, gate, seg)
-    dk_state = _mul(_dot(v, dst, _NN, dt), gate.to_end())
+    dk_state = _mul(_dot(v, dst, "nn", dt), gate.to_end())
     dk_state = _mask_rows(dk_state, None if seg is None else seg.in_last)
     dk = dk + dk_state
-    dv = _dot(scores, do_scaled, _TN, dt) + _dot(k_tail, dst, _NT, dt)
+    dv = _dot(scores, do_scaled, "tn", dt) + _dot(k_tail, dst, "nt", dt)
     edge = (jnp.sum(k.astype(jnp.float32) * dk_state, axis=0, keepdims=True)
             + jnp.sum(carry_state(st, gate, seg) * dst, axis=0, keepdims=True))
     return dq, dk, dv, edge

@@ -14,7 +14,12 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.common.backends import require_gpu_dtype
 from gla_tpu.ops.common.padding import pad_last, pad_segment_index, pad_time
-from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.common.segments import (
+    chunk_entry_segments,
+    chunk_segment_masks,
+    segment_index,
+    token_starts,
+)
 from gla_tpu.ops.gla.pallas_gpu import vjp
 from gla_tpu.ops.gla.pallas_gpu.plan import (
     CHUNK,
@@ -40,14 +45,11 @@ def segment_masks(seg, chunk: int):
     start [B, Tp]) float32; start is 1.0 at the first token of every segment but the first."""
     b, tp = seg.shape
     n = tp // chunk
-    segc = seg.reshape(b, n, chunk)
-    prev_seg = jnp.concatenate([seg[:, :1], seg[:, chunk - 1 : -1 : chunk]], axis=1)  # [B, N]
-    last_seg = segc[:, :, -1]
-    reach = (segc == prev_seg[:, :, None]).reshape(b, tp).astype(jnp.float32)
-    last = (segc == last_seg[:, :, None]).reshape(b, tp).astype(jnp.float32)
-    keep = (last_seg == prev_seg).astype(jnp.float32)
-    start = jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    return reach, last, keep, start.astype(jnp.float32)
+    reach, last, keep = chunk_segment_masks(seg.reshape(b, n, chunk),
+                                            chunk_entry_segments(seg, chunk)[:, :, None])
+    f32 = jnp.float32
+    return (reach.reshape(b, tp).astype(f32), last.reshape(b, tp).astype(f32),
+            keep[:, :, 0].astype(f32), token_starts(seg).astype(f32))
 
 
 def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):

@@ -1,6 +1,6 @@
 """Pallas (Triton lowering) kernels of the intra-chunk GLA products on GPU; none knows about autodiff.
 
-Notation of docs/gla_math.md and docs/gpu_backend.md: chunk length C, sub-chunk length c = 16,
+Notation of docs/gla_math.md and docs/gpu_backend.md: chunk length C, sub-chunk length c = SUB_CHUNK = 16,
 b = chunk-local running sum of the log gate g (computed outside, float32, [B, T, H, K]),
 B_n = b at the last token of chunk n, h_n the [K, V] state entering chunk n. Per-head and absent
 gates arrive broadcast to [B, T, H, K]. Segment masks arrive precomputed (entry.py):
@@ -24,23 +24,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gla_tpu.ops.common.chunk_cumsum import SUB_CHUNK
+from gla_tpu.ops.common.masks import intra_chunk_visibility
 from gla_tpu.ops.common.products import HIGHEST, accurate_product, product
 from gla_tpu.ops.gla.pallas_gpu.plan import ChunkGeometry, compiler_params
 
-SUB = 16  # sub-chunk length of the secondary chunking
 
-
-def _intra_mask(geo: ChunkGeometry, seg_ref, n_rows: int, row_offset: int, *, transpose=False):
-    """[n_rows, C] causal (and same-segment) mask of a row block (query rows, or key rows when
-    `transpose`): entry (r, x) pairs row r of the block with token x of the chunk."""
+def _intra_mask(geo: ChunkGeometry, seg_ref, n_rows: int, row_offset: int):
+    """[n_rows, C] causal (and same-segment) mask of a block of query rows: entry (r, x) pairs
+    query row r of the block with key token x of the chunk."""
     r = row_offset + jnp.arange(n_rows, dtype=jnp.int32)[:, None]
     x = jnp.arange(geo.chunk, dtype=jnp.int32)[None, :]
-    mask = (x >= r) if transpose else (x <= r)
+    seg_rows = seg_all = None
     if geo.has_segments:
         seg_all = seg_ref[...][None, :]  # [1, C]
         seg_rows = seg_ref[pl.ds(row_offset, n_rows)][:, None]
-        mask = jnp.logical_and(mask, seg_rows == seg_all)
-    return mask
+    return intra_chunk_visibility(r, x, seg_rows, seg_all)
 
 
 # Intra-chunk products: two paths, chosen per chunk at run time.
@@ -51,7 +50,7 @@ def _intra_mask(geo: ChunkGeometry, seg_ref, n_rows: int, row_offset: int, *, tr
 #   dk = exp(b_0 - b) (dA^T (q exp(b - b_0))),
 # every factor in [exp(-BOUND), exp(BOUND)], far from float32 and bfloat16 overflow (the masked
 # pairs reach exp(BOUND) |q| |k| at most); each product term keeps its relative rounding.
-# Other chunks (any gates): secondary chunking in sub-chunks of SUB tokens. Pairs in different
+# Other chunks (any gates): secondary chunking in sub-chunks of SUB_CHUNK tokens. Pairs in different
 # sub-chunks factor through a reference inside the chunk with every exponent <= 0 (matrix
 # units); the diagonal sub-chunk blocks are summed elementwise, every exponent b_later - b_earlier.
 BOUND = 40.0
@@ -73,15 +72,15 @@ def _token_ids(c: int):
 
 
 def _in_sub(tok, i: int):
-    return jnp.logical_and(tok >= i * SUB, tok < (i + 1) * SUB)
+    return jnp.logical_and(tok >= i * SUB_CHUNK, tok < (i + 1) * SUB_CHUNK)
 
 
 def _per_sub_rows(ref, offset: int, ks, c: int):
     """[C, BK]: row r holds ref's row (first token of r's sub-chunk) + offset."""
     tok, _ = _token_ids(c)
     out = ref[pl.ds(offset, 1), ks]
-    for i in range(1, c // SUB):
-        out = jnp.where(tok >= i * SUB, ref[pl.ds(i * SUB + offset, 1), ks], out)
+    for i in range(1, c // SUB_CHUNK):
+        out = jnp.where(tok >= i * SUB_CHUNK, ref[pl.ds(i * SUB_CHUNK + offset, 1), ks], out)
     return out
 
 
@@ -95,8 +94,8 @@ def _earlier_keys(x, b, b_ref, ks, i: int):
     """x exp(b_I0 - b) for the tokens of sub-chunks before i, zero from sub-chunk i on (b_I0: b at
     sub-chunk i's first token, every exponent <= 0)."""
     tok, _ = _token_ids(b.shape[0])
-    anchor = b_ref[pl.ds(i * SUB, 1), ks]  # [1, BK]
-    visible = tok < i * SUB
+    anchor = b_ref[pl.ds(i * SUB_CHUNK, 1), ks]  # [1, BK]
+    visible = tok < i * SUB_CHUNK
     return jnp.where(visible, x * jnp.exp(jnp.where(visible, anchor - b, 0.0)), 0.0)
 
 
@@ -107,7 +106,7 @@ def _sub_chunk_scores(q, k, b, b_ref, ks, dt):
     tok, _ = _token_ids(c)
     q_rel = q * jnp.exp(b - _per_sub_rows(b_ref, 0, ks, c))  # exponent <= 0
     out = jnp.zeros((c, c), jnp.float32)
-    for i in range(1, c // SUB):
+    for i in range(1, c // SUB_CHUNK):
         rows = jnp.where(_in_sub(tok, i), q_rel, 0.0).astype(dt)
         out = out + product(rows, _earlier_keys(k, b, b_ref, ks, i).astype(dt), "nt", HIGHEST)
     return out
@@ -118,7 +117,7 @@ def _sub_chunk_dq(da, k, b, b_ref, ks, dt):
     c = k.shape[0]
     tok, _ = _token_ids(c)
     out = jnp.zeros(k.shape, jnp.float32)
-    for i in range(1, c // SUB):
+    for i in range(1, c // SUB_CHUNK):
         prod = accurate_product(da, _earlier_keys(k, b, b_ref, ks, i), "nn", dt)
         out = out + jnp.where(_in_sub(tok, i), prod, 0.0)
     return out * jnp.exp(b - _per_sub_rows(b_ref, 0, ks, c))
@@ -130,12 +129,12 @@ def _sub_chunk_dk(da, q, b, b_ref, ks, dt):
     c = q.shape[0]
     tok, _ = _token_ids(c)
     out = jnp.zeros(q.shape, jnp.float32)
-    for j in range(c // SUB - 1):
-        anchor = b_ref[pl.ds(j * SUB + SUB - 1, 1), ks]
-        later = tok >= (j + 1) * SUB
+    for j in range(c // SUB_CHUNK - 1):
+        anchor = b_ref[pl.ds(j * SUB_CHUNK + SUB_CHUNK - 1, 1), ks]
+        later = tok >= (j + 1) * SUB_CHUNK
         rel = jnp.where(later, q * jnp.exp(jnp.where(later, b - anchor, 0.0)), 0.0)
         out = out + jnp.where(_in_sub(tok, j), accurate_product(da, rel, "tn", dt), 0.0)
-    return out * jnp.exp(_per_sub_rows(b_ref, SUB - 1, ks, c) - b)
+    return out * jnp.exp(_per_sub_rows(b_ref, SUB_CHUNK - 1, ks, c) - b)
 
 
 def _exact_diagonal(x_ref, b_ref, b, ks, weights, *, keys: bool):
@@ -147,10 +146,10 @@ def _exact_diagonal(x_ref, b_ref, b, ks, weights, *, keys: bool):
     """
     c = b.shape[0]
     tok, col = _token_ids(c)
-    pos = tok % SUB
-    base_row, base_col = tok - pos, col - col % SUB
+    pos = tok % SUB_CHUNK
+    base_row, base_col = tok - pos, col - col % SUB_CHUNK
     out = jnp.zeros(b.shape, jnp.float32)
-    for j in range(SUB):
+    for j in range(SUB_CHUNK):
         other = _per_sub_rows(x_ref, j, ks, c).astype(jnp.float32)  # token base + j, per row
         b_other = _per_sub_rows(b_ref, j, ks, c)
         if keys:  # rows are keys x, `other` the query base(x) + j >= x
@@ -167,9 +166,9 @@ def _exact_diagonal_scores(q, b, k_ref, b_ref, ks):
     """[C, C]: the diagonal sub-chunk blocks of the scores, elementwise (any gates)."""
     c = q.shape[0]
     tok, col = _token_ids(c)
-    pos = tok % SUB
+    pos = tok % SUB_CHUNK
     out = jnp.zeros((c, c), jnp.float32)
-    for j in range(SUB):
+    for j in range(SUB_CHUNK):
         k_j = _per_sub_rows(k_ref, j, ks, c).astype(jnp.float32)
         b_j = _per_sub_rows(b_ref, j, ks, c)
         s = jnp.sum(q * k_j * jnp.exp(jnp.where(pos >= j, b - b_j, 0.0)), axis=1)[:, None]
