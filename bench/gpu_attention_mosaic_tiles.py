@@ -1,4 +1,4 @@
-"""First GPU check of the Mosaic GPU attention forward (session 4): numerics against the Triton
+"""First GPU check of the Mosaic GPU attention forward: numerics against the Triton
 forward and a float32 XLA reference (outputs and gradients, the backward being Triton's in both),
 then forward timing of ForwardTiles variants beside cuDNN, our Triton forward and jla's FA3.
 

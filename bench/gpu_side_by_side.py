@@ -1,4 +1,4 @@
-"""Side-by-side GPU benchmark (issue 6): our Pallas GPU kernels vs cuDNN, XLA, JAX's Pallas GPU
+"""Side-by-side GPU benchmark: our Pallas GPU kernels vs cuDNN, XLA, JAX's Pallas GPU
 attention, jax-linear-attention (Mosaic GPU) and flash-linear-attention (torch + triton), in one
 process on one GPU, bfloat16, forward and forward+backward.
 

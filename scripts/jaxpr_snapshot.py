@@ -8,9 +8,9 @@ configurations per backend, one text file each, so a refactor can be checked to 
 Only tracing, no execution: runs on a CPU in seconds. Where a refactor changes a jaxpr on purpose
 (an equivalent comparison, a reordering), `--run NAME_FILTER` also executes the matching
 configurations on fixed random inputs (Pallas kernels in interpret mode) and writes their values
-and gradients to OUT/NAME.npz, to be compared bitwise between the two commits. Names of Python functions that the
-jaxpr prints (custom_vjp rules, jitted helpers) are replaced by placeholders, since a refactor may
-rename them without changing the computation.
+and gradients to OUT/NAME.npz, to be compared bitwise between the two commits. Names of Python
+functions that the jaxpr prints (custom_vjp rules, jitted helpers) are replaced by placeholders,
+since a refactor may rename them without changing the computation.
 """
 
 from __future__ import annotations

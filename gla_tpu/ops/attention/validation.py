@@ -11,7 +11,7 @@ from gla_tpu.ops.common import validation as v
 
 @dataclasses.dataclass(frozen=True)
 class AttentionProblem:
-    """What every backend receives after validation (shapes in DESIGN.md's layout)."""
+    """What every backend receives after validation (shapes in the [B, T, H, D] layout)."""
 
     batch: int
     q_len: int  # T
@@ -23,6 +23,16 @@ class AttentionProblem:
     sm_scale: float
     has_segments: bool
     dtype: jnp.dtype
+
+    def sizes(self) -> dict[str, int]:
+        """The head dims a backend's capabilities constrain."""
+        return {"head_dim": self.head_dim}
+
+    def features(self) -> tuple[str, ...]:
+        """The optional features this problem uses (common/capabilities.ATTENTION_FEATURES)."""
+        used = {"causal": self.causal, "gqa": self.num_heads != self.num_kv_heads,
+                "segment_ids": self.has_segments}
+        return tuple(name for name, on in used.items() if on)
 
 
 def validate_attention(q, k, v_, *, causal, sm_scale, segment_ids):

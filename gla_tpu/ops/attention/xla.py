@@ -9,10 +9,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gla_tpu.ops.common.capabilities import ANY_DIM, ATTENTION_FEATURES, Capabilities
 from gla_tpu.ops.common.masks import attention_visibility, causal_offset
+
+CAPABILITIES = Capabilities(
+    op="flash_attention", backend="xla", platform="any (plain JAX)",
+    dtypes=("bfloat16", "float16", "float32", "float64"), dims=(("head_dim", ANY_DIM),),
+    features=ATTENTION_FEATURES,
+    notes="[T, S] scores per (batch, head), float32 softmax statistics; autodiff",
+)
 
 
 def check_supported(problem, block_sizes) -> None:
+    CAPABILITIES.check(problem)
     if block_sizes is not None:
         raise NotImplementedError(
             f"block_sizes={block_sizes!r} tunes the Pallas kernels; the 'xla' backend takes None."

@@ -94,13 +94,6 @@ def backend_module(op_family: str, backend: str):
     return importlib.import_module(f"gla_tpu.ops.{op_family}.{backend}")
 
 
-GPU_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def require_gpu_dtype(op_name: str, dtype) -> None:
-    """NotImplementedError unless dtype is one the 'pallas_gpu' kernels take."""
-    if jax.numpy.dtype(dtype).name not in GPU_DTYPES:
-        raise NotImplementedError(
-            f"the 'pallas_gpu' {op_name} takes bfloat16, float16 or float32; got {dtype}. "
-            "backend='xla' takes it."
-        )
+def capabilities(op_family: str) -> list:
+    """Every concrete backend's Capabilities for "attention" or "gla", in BACKENDS order."""
+    return [backend_module(op_family, name).CAPABILITIES for name in BACKENDS if name != "auto"]

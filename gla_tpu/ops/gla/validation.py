@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from gla_tpu.ops.common import validation as v
 
 MODES = ("auto", "chunk", "fused_chunk", "fused_recurrent")
+RESOLVED_MODES = MODES[1:]
+GATE_KINDS = ("key", "head", "none")
 CHUNK_SIZES = (64, 128)
 DEFAULT_CHUNK_SIZE = 64
 # "auto" runs token by token up to this length (decoding, short prompts), chunked above it.
@@ -32,6 +34,16 @@ class GLAProblem:
     output_final_state: bool
     has_segments: bool
     dtype: jnp.dtype
+
+    def sizes(self) -> dict[str, int]:
+        """The head dims a backend's capabilities constrain."""
+        return {"K": self.key_dim, "V": self.value_dim}
+
+    def features(self) -> tuple[str, ...]:
+        """The optional features this problem uses (common/capabilities.GLA_FEATURES)."""
+        used = {"segment_ids": self.has_segments, "initial_state": self.has_initial_state,
+                "final_state": self.output_final_state}
+        return tuple(name for name, on in used.items() if on)
 
 
 def validate_gla(q, k, v_, g, *, scale, initial_state, output_final_state, segment_ids, mode,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gla_tpu.ops.common.capabilities import ANY_DIM, GLA_FEATURES, Capabilities
 from gla_tpu.ops.common.chunk_cumsum import SUB_CHUNK, chunk_local_cumsum
 from gla_tpu.ops.common.masks import lower_triangular
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
@@ -19,10 +20,20 @@ from gla_tpu.ops.common.segments import (
     segment_index,
     token_keeps,
 )
+from gla_tpu.ops.gla.validation import CHUNK_SIZES, GATE_KINDS, RESOLVED_MODES
+
+
+CAPABILITIES = Capabilities(
+    op="gla", backend="xla", platform="any (plain JAX)",
+    dtypes=("bfloat16", "float16", "float32", "float64"), dims=(("K", ANY_DIM), ("V", ANY_DIM)),
+    features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=CHUNK_SIZES,
+    notes="chunked algorithm (chunk, fused_chunk) or a scan over tokens (fused_recurrent); "
+          "autodiff",
+)
 
 
 def check_supported(problem, block_sizes) -> None:
-    del problem  # the XLA backend takes every valid problem.
+    CAPABILITIES.check(problem)
     if block_sizes is not None:
         raise NotImplementedError(
             f"block_sizes={block_sizes!r} tunes the Pallas kernels; the 'xla' backend takes None."

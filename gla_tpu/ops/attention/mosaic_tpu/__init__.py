@@ -6,7 +6,7 @@
     plan.py     BlockSizes, their resolution against a problem, VMEM and cost estimates
 """
 
-from gla_tpu.ops.attention.mosaic_tpu.entry import check_supported, flash_attention
+from gla_tpu.ops.attention.mosaic_tpu.entry import CAPABILITIES, check_supported, flash_attention
 from gla_tpu.ops.attention.mosaic_tpu.plan import BlockSizes
 
-__all__ = ["BlockSizes", "check_supported", "flash_attention"]
+__all__ = ["CAPABILITIES", "BlockSizes", "check_supported", "flash_attention"]

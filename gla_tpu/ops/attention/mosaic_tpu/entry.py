@@ -12,28 +12,26 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.attention.mosaic_tpu import vjp
 from gla_tpu.ops.attention.mosaic_tpu.plan import BlockSizes, kernel_config
+from gla_tpu.ops.common.capabilities import ATTENTION_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_time
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+CAPABILITIES = Capabilities(
+    op="flash_attention", backend="mosaic_tpu", platform="TPU; CPU with interpret=True",
+    # float16 has no native TPU matmul path; the kernels are tested and compiled in these two
+    dtypes=("bfloat16", "float32"), dims=(("head_dim", Dims(values=(64, 128, 256))),),
+    features=ATTENTION_FEATURES,
+    notes="forward, dq and dk/dv kernels (Mosaic); causal blocks skipped; any T, S",
+)
 
 def check_supported(problem, block_sizes) -> None:
-    """Raises NotImplementedError for a problem this backend cannot take, ValueError for bad knobs."""
+    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
+    ValueError for block sizes of the wrong type."""
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise ValueError(
             "block_sizes for backend='mosaic_tpu' must be None or "
             f"gla_tpu.ops.attention.mosaic_tpu.BlockSizes; got {block_sizes!r}."
         )
-    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(
-            f"the 'mosaic_tpu' flash_attention kernel takes head_dim in {SUPPORTED_HEAD_DIMS}; "
-            f"got head_dim={problem.head_dim}. backend='xla' takes any head_dim."
-        )
-    if jnp.dtype(problem.dtype) not in SUPPORTED_DTYPES:
-        raise NotImplementedError(
-            "the 'mosaic_tpu' flash_attention kernel takes bfloat16 or float32 inputs; got "
-            f"{jnp.dtype(problem.dtype).name}. backend='xla' takes any floating dtype."
-        )
+    CAPABILITIES.check(problem)
 
 
 def _head_major(x, length_padded: int):
@@ -50,7 +48,7 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     """Backend entry called by `gla_tpu.ops.flash_attention` after validation.
 
     Args:
-      q: [B, T, H, D]; k, v: [B, S, Hkv, D] (bfloat16 or float32, D in SUPPORTED_HEAD_DIMS).
+      q: [B, T, H, D]; k, v: [B, S, Hkv, D] (what CAPABILITIES takes).
       problem: the validated AttentionProblem.
       q_segment_ids, kv_segment_ids: [B, T], [B, S] int32, or both None.
       block_sizes: BlockSizes or None for `BlockSizes.default(D)`.
@@ -59,7 +57,6 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     Returns:
       o: [B, T, H, D] in q's dtype.
     """
-    check_supported(problem, block_sizes)
     cfg = kernel_config(problem, block_sizes, interpret)
     qh = _head_major(q, cfg.q_len_padded)  # [B, H, Tp, D]
     kh = _head_major(k, cfg.kv_len_padded)  # [B, Hkv, Sp, D]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_tpu.ops.common.flops import attention_matmul_flops
-from gla_tpu.ops.common.tpu import LANES, tpu_interpret_params
+from gla_tpu.ops.common.tpu import LANES, SUBLANES, tpu_interpret_params
 
 # Sequence blocks are lane dims of the score tiles and of the lse/di/segment rows.
 BLOCK_MULTIPLE = LANES
@@ -163,7 +163,7 @@ def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, i
     occupies 8 sublanes. Mosaic may reuse temporaries, so this is an upper-bound-style estimate.
     """
     bq, bkv, d = block_q, block_kv, head_dim
-    rows = lambda n: 8 * n * 4  # noqa: E731  a [1, n] float32/int32 row block
+    rows = lambda n: SUBLANES * n * 4  # noqa: E731  a [1, n] float32/int32 row block
     seg = 2 * (rows(bq) + rows(bkv)) if segments else 0
     if kind == "fwd":
         bkc = block_kv_compute or bkv

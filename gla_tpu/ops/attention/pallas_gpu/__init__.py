@@ -7,8 +7,8 @@
     plan.py                    BlockSizes, ForwardTiles, the shared geometry, shared-memory check
 """
 
-from gla_tpu.ops.attention.pallas_gpu.entry import check_supported, flash_attention
+from gla_tpu.ops.attention.pallas_gpu.entry import CAPABILITIES, check_supported, flash_attention
 from gla_tpu.ops.attention.pallas_gpu.plan import BlockSizes, ForwardTiles, default_block_sizes
 
-__all__ = ["BlockSizes", "ForwardTiles", "check_supported", "default_block_sizes",
-           "flash_attention"]
+__all__ = ["CAPABILITIES", "BlockSizes", "ForwardTiles", "check_supported",
+           "default_block_sizes", "flash_attention"]

@@ -15,26 +15,31 @@ import math
 from gla_tpu.ops.attention.pallas_gpu import vjp
 from gla_tpu.ops.attention.pallas_gpu.plan import (BlockSizes, Geometry, default_block_sizes,
                                                    mosaic_forward_tiles)
-from gla_tpu.ops.common.backends import require_gpu_dtype
+from gla_tpu.ops.common.capabilities import ATTENTION_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_time
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
+CAPABILITIES = Capabilities(
+    op="flash_attention", backend="pallas_gpu",
+    platform="CUDA GPU (H100/H200; CPU with interpret=True)",
+    dtypes=("bfloat16", "float16", "float32"),
+    dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
+    notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 "
+          "in bf16 / f16 without segment_ids, Triton elsewhere; dq and dk/dv kernels: Triton",
+)
+
+
 def check_supported(problem, block_sizes) -> None:
-    if problem.head_dim not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"the 'pallas_gpu' flash_attention takes head dims {HEAD_DIMS}; got D={problem.head_dim}. "
-            "backend='xla' takes any head dim."
-        )
-    require_gpu_dtype("flash_attention", problem.dtype)
+    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
+    ValueError for block sizes of the wrong type."""
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise NotImplementedError(
-            f"block_sizes={block_sizes!r} is not a pallas_gpu BlockSizes; pass "
-            "gla_tpu.ops.attention.pallas_gpu.BlockSizes(...) or None."
+        raise ValueError(
+            "block_sizes for backend='pallas_gpu' must be None or "
+            f"gla_tpu.ops.attention.pallas_gpu.BlockSizes; got {block_sizes!r}."
         )
+    CAPABILITIES.check(problem)
 
 
 def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
-    check_supported(problem, block_sizes)
     sizes = block_sizes or default_block_sizes(problem.head_dim, problem.dtype)
     tiles = mosaic_forward_tiles(problem, sizes, bool(interpret))
     t, s = problem.q_len, problem.kv_len

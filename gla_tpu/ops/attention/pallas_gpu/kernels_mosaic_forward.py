@@ -25,7 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu.kernels_triton import kv_blocks_for_query_tile, visibility_mask
+from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
+    kv_blocks_for_query_tile,
+    visibility_mask,
+)
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
 
 LOG2E = math.log2(math.e)

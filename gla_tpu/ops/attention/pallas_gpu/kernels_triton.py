@@ -123,6 +123,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
     lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), 0.0)
 
 
+def _row_positions(geo: Geometry, block_index, block: int, seg_ref, tile):
+    """Positions [1, block] of the tokens of block `block_index` and their segment ids [1, block]
+    (None without segments); `tile` is the block's slice of the segment-id row."""
+    pos = (block_index * block + jnp.arange(block, dtype=jnp.int32))[None, :]
+    return pos, (seg_ref[tile][None, :] if geo.has_segments else None)
+
+
 def _probabilities(rows, cols, lse, scale2, vis):
     """The backward's recomputed softmax, p = exp2(rows cols^T * scale2 - lse), zero where `vis`
     (None: everything visible) is False: [rows, cols] float32. dq takes q rows and k columns,
@@ -154,8 +161,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         v = v_ref[kv_slice, :]
         vis = None
         if masked:
-            k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
-            k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
+            k_pos, k_seg = _row_positions(geo, kb, block_kv, kseg_ref, kv_slice)
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
         p = _probabilities(q, k, lse, scale2, vis)  # [block_q, block_kv]
         ds = _score_grad(p, do, v, delta)
@@ -187,8 +193,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
         delta = delta_ref[g, q_slice][None, :]
         vis = None
         if masked:
-            q_pos = (qb * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]
-            q_seg = qseg_ref[q_slice][None, :] if geo.has_segments else None
+            q_pos, q_seg = _row_positions(geo, qb, block_q, qseg_ref, q_slice)
             # keys past kv_len only produce rows of dk, dv that are sliced away: no length check
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
         pt = _probabilities(k, q, lse, scale2, vis)  # [block_kv, block_q]

@@ -154,7 +154,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
         sizes = BlockSizes(128, 64, 128, 32, 32, 128, num_warps=4, num_warps_dq=4,
                            num_warps_dkv=4, num_stages=3, num_stages_bwd=3)
     elif head_dim <= 128:
-        # the best of a sweep on the H200 (docs/gpu_backend.md): forward 128x128, 8 warps,
+        # the best of a sweep on a GPU (docs/gpu_backend.md): forward 128x128, 8 warps,
         # 3 stages; both backward kernels 64x64 with 4 warps, 2 stages
         sizes = BlockSizes(128, 128, 64, 64, 64, 64, num_warps=8, num_warps_dq=4,
                            num_warps_dkv=4, num_stages=3, num_stages_bwd=2)

@@ -9,7 +9,7 @@
     plan.py                 BlockSizes, layouts, configs and VMEM budgets
 """
 
-from gla_tpu.ops.gla.mosaic_tpu.entry import check_supported, gla
+from gla_tpu.ops.gla.mosaic_tpu.entry import CAPABILITIES, check_supported, gla
 from gla_tpu.ops.gla.mosaic_tpu.plan import BlockSizes
 
-__all__ = ["BlockSizes", "check_supported", "gla"]
+__all__ = ["CAPABILITIES", "BlockSizes", "check_supported", "gla"]

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gla_tpu.ops.common.capabilities import GLA_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
 from gla_tpu.ops.common.segments import chunk_entry_segments, segment_index, token_keeps
@@ -27,9 +28,18 @@ from gla_tpu.ops.gla.mosaic_tpu.plan import (
     ChunkConfig,
     recurrent_plan,
 )
+from gla_tpu.ops.gla.validation import CHUNK_SIZES, GATE_KINDS, RESOLVED_MODES
 
-# The dtypes the kernels are tested and compiled for (float16 has no native TPU matmul path).
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+CAPABILITIES = Capabilities(
+    op="gla", backend="mosaic_tpu", platform="TPU; CPU with interpret=True",
+    # float16 has no native TPU matmul path; the kernels are tested and compiled in these two
+    dtypes=("bfloat16", "float32"),
+    dims=(("K", Dims(multiple=MIN_HEAD_DIM, low=MIN_HEAD_DIM, high=MAX_HEAD_DIM)),
+          ("V", Dims(multiple=MIN_HEAD_DIM, low=MIN_HEAD_DIM, high=MAX_HEAD_DIM))),
+    features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=CHUNK_SIZES,
+    notes="chunked kernels (chunk, fused_chunk) and token-by-token kernels (fused_recurrent, "
+          "a T = 1 decode kernel); forward and backward incl. dg",
+)
 
 
 def check_supported(problem, block_sizes) -> None:
@@ -40,18 +50,7 @@ def check_supported(problem, block_sizes) -> None:
             "block_sizes for backend='mosaic_tpu' must be None or "
             f"gla_tpu.ops.gla.mosaic_tpu.BlockSizes; got {block_sizes!r}."
         )
-    if jnp.dtype(problem.dtype) not in SUPPORTED_DTYPES:
-        raise NotImplementedError(
-            "the 'mosaic_tpu' gla backend takes bfloat16 or float32 q, k, v; got "
-            f"{jnp.dtype(problem.dtype).name}. backend='xla' takes any floating dtype."
-        )
-    for name, d in (("K", problem.key_dim), ("V", problem.value_dim)):
-        if d % MIN_HEAD_DIM or not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"the 'mosaic_tpu' gla backend needs {name} to be a multiple of {MIN_HEAD_DIM} "
-                f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got {name}={d}. backend='xla' takes any "
-                "head dim."
-            )
+    CAPABILITIES.check(problem)
     if problem.mode == "fused_recurrent":
         recurrent_plan(problem, block_sizes or BlockSizes())
 

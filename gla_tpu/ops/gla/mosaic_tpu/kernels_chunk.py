@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_tpu.ops.common.tpu import tpu_interpret_params
+from gla_tpu.ops.common.tpu import LANES, tpu_interpret_params
 from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk_tile as tile
 from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, seq_shape
 
@@ -36,10 +36,11 @@ _PARALLEL = frozenset({"outputs", "bwd_chunk"})
 
 def _seq_spec(d: int, block: int, c: int, chunk_of):
     """BlockSpec of a `seq_pack`ed array: one chunk of one head, one `block` of its D columns."""
-    if d % 128 == 0:
+    if d % LANES == 0:
         per_head = d // block
         return pl.BlockSpec(
-            (None, c, block), lambda bi, hi, vi, ni: (bi, chunk_of(ni), hi * per_head + vi % per_head))
+            (None, c, block),
+            lambda bi, hi, vi, ni: (bi, chunk_of(ni), hi * per_head + vi % per_head))
     return pl.BlockSpec((None, None, c, d), lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0))
 
 

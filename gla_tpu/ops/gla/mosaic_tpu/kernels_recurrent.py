@@ -15,9 +15,10 @@ kernel is in kernels_decode.py:
   states from its checkpoint into VMEM, then runs the reversed recurrence of dS (dq, dk, dv, dg,
   d initial_state).
 
-Inside a time block tokens are taken in sub-blocks of SUBBLOCK rows: one [SUBBLOCK, K] tile load and one
-transpose turn SUBBLOCK token rows into [K, SUBBLOCK] columns, then a loop over the SUBBLOCK tokens does the
-rank-1 state updates on the VPU, a lane (sublane) rotate picking each token's column (row).
+Inside a time block tokens are taken in sub-blocks of SUBBLOCK (8) rows: one [SUBBLOCK, K] tile
+load and one transpose turn SUBBLOCK token rows into [K, SUBBLOCK] columns, then a loop over the
+SUBBLOCK tokens does the rank-1 state updates on the VPU, a lane (sublane) rotate picking each
+token's column (row).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class _Tokens:
     """One sub-block of SUBBLOCK tokens loaded from the time-blocked refs, as columns and rows.
 
     Columns ([K, SUBBLOCK]; k_col(i) is [K, 1]) feed the lane-broadcast side of the rank-1 updates,
-    rows ([SUBBLOCK, block_v]; v_row(i) is [1, block_v]) the sublane-broadcast side. The token index i
+    rows ([SUBBLOCK, block_v]; v_row(i) is [1, block_v]) the sublane-broadcast side. The token
+    index i
     may be traced: a rotate brings column (row) i to position 0.
     """
 
@@ -101,7 +103,8 @@ def _row(x, i):
 
 
 def _decay_block(refs, rows, cfg: RecurrentConfig):
-    """a = keep * exp(g) for SUBBLOCK tokens: [K, SUBBLOCK] columns (per key), [SUBBLOCK, 1] rows, or None."""
+    """a = keep * exp(g) for SUBBLOCK tokens: [K, SUBBLOCK] columns (per key), [SUBBLOCK, 1] rows,
+    or None."""
     if not cfg.has_decay:
         return None
     decay = None
@@ -123,7 +126,8 @@ def advance_state(state, a, k_col, v_row):
 
 
 def place_row(acc, i, row):
-    """acc[i, :] = row for a [SUBBLOCK, n] accumulator and a [1, n] row (a select, no dynamic store)."""
+    """acc[i, :] = row for a [SUBBLOCK, n] accumulator and a [1, n] row (a select, no dynamic
+    store)."""
     sel = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0) == i
     return jnp.where(sel, row, acc)
 

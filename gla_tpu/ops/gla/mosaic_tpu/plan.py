@@ -131,7 +131,8 @@ def seq_shape(b: int, t: int, h: int, d: int):
 
 def seq_pack(x):
     """[B, T, H, D] -> the array the kernels read: [B, T, H*D] (free view) when D % 128 == 0,
-    else a head-major copy [B, H, T, D] (a [C, 64] block of the view would break (8, 128) tiling)."""
+    else a head-major copy [B, H, T, D] (a [C, 64] block of the view would break the (8, 128)
+    tiling)."""
     b, t, h, d = x.shape
     if d % LANES == 0:
         return x.reshape(b, t, h * d)

@@ -10,6 +10,7 @@ for every mode, a token-by-token forward for decoding.
     plan.py               ChunkGeometry, tiles, padded head dims
 """
 
-from gla_tpu.ops.gla.pallas_gpu.entry import check_supported, gla
+from gla_tpu.ops.gla.pallas_gpu.entry import CAPABILITIES, check_supported, gla
+from gla_tpu.ops.gla.pallas_gpu.plan import BlockSizes
 
-__all__ = ["check_supported", "gla"]
+__all__ = ["CAPABILITIES", "BlockSizes", "check_supported", "gla"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.common.backends import require_gpu_dtype
+from gla_tpu.ops.common.capabilities import GLA_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_last, pad_segment_index, pad_time
 from gla_tpu.ops.common.segments import (
     chunk_entry_segments,
@@ -25,19 +25,32 @@ from gla_tpu.ops.gla.pallas_gpu.plan import (
     CHUNK,
     MAX_DIM,
     MAX_RECURRENT_T,
+    BlockSizes,
     chunk_geometry,
     padded_dim,
+)
+from gla_tpu.ops.gla.validation import GATE_KINDS, RESOLVED_MODES
+
+CAPABILITIES = Capabilities(
+    op="gla", backend="pallas_gpu", platform="CUDA GPU (H100/H200; CPU with interpret=True)",
+    dtypes=("bfloat16", "float16", "float32"),
+    dims=(("K", Dims(high=MAX_DIM)), ("V", Dims(high=MAX_DIM))),
+    features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=(CHUNK,),
+    notes="every mode runs the chunked Triton kernels (fused_recurrent with float32-accurate "
+          "state products in its backward); T <= 16 without segments: a token-by-token "
+          "forward; forward and backward incl. dg",
 )
 
 
 def check_supported(problem, block_sizes) -> None:
-    for name, dim in (("K", problem.key_dim), ("V", problem.value_dim)):
-        if dim > MAX_DIM:
-            raise NotImplementedError(
-                f"the 'pallas_gpu' gla takes {name} <= {MAX_DIM}; got {name}={dim}. "
-                "backend='xla' takes it."
-            )
-    require_gpu_dtype("gla", problem.dtype)
+    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
+    ValueError for block sizes of the wrong type."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(
+            "block_sizes for backend='pallas_gpu' must be None or "
+            f"gla_tpu.ops.gla.pallas_gpu.BlockSizes; got {block_sizes!r}."
+        )
+    CAPABILITIES.check(problem)
 
 
 def segment_masks(seg, chunk: int):
@@ -53,7 +66,6 @@ def segment_masks(seg, chunk: int):
 
 
 def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
-    del block_sizes
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     kp, vp = padded_dim(kd), padded_dim(vd)
@@ -77,7 +89,8 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
         reach, last, keep, start = segment_masks(seg, CHUNK)
     geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
                          has_segments=segment_ids is not None,
-                         exact_inter=problem.mode == "fused_recurrent")
+                         exact_inter=problem.mode == "fused_recurrent",
+                         block_sizes=block_sizes or BlockSizes())
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if few_tokens:
             o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))

@@ -1,8 +1,9 @@
-"""Pallas (Triton lowering) kernels of the intra-chunk GLA products on GPU; none knows about autodiff.
+"""Pallas (Triton lowering) kernels of the intra-chunk GLA products on GPU (no autodiff in here).
 
-Notation of docs/gla_math.md and docs/gpu_backend.md: chunk length C, sub-chunk length c = SUB_CHUNK = 16,
-b = chunk-local running sum of the log gate g (computed outside, float32, [B, T, H, K]),
-B_n = b at the last token of chunk n, h_n the [K, V] state entering chunk n. Per-head and absent
+Notation of docs/gla_math.md and docs/gpu_backend.md: chunk length C, sub-chunk length
+c = SUB_CHUNK = 16, b = chunk-local running sum of the log gate g (computed outside, float32,
+[B, T, H, K]), B_n = b at the last token of chunk n, h_n the [K, V] state entering chunk n.
+Per-head and absent
 gates arrive broadcast to [B, T, H, K]. Segment masks arrive precomputed (entry.py):
 `reach` (the carried state reaches the token), `last` (the token is in its chunk's last segment),
 `keep` (no reset inside the chunk), and the running segment index `seg` for intra-chunk masks.
@@ -269,8 +270,8 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, v_ref, do_ref, reach_ref,
 
     # Inter-chunk products over V blocks: do h_n^T and v dh_{n+1}^T [C, BK] with the states
     # rounded to the input dtype (as in chunk_output and chunk_dv), and sum_V h_n dh_{n+1} [1, BK]
-    # on the stored ones (float32: with bfloat16 ones, dg at T = 1 with an initial state was 16x
-    # the XLA error on the H200).
+    # on the stored ones (float32: with bfloat16 ones, dg at T = 1 with an initial state fails the
+    # pass rule, docs/gpu_backend.md).
     def over_v(vb, acc):
         dq, dk, hdh = acc
         vs = pl.ds(vb * bv, bv)

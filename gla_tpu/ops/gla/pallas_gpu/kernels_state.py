@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from gla_tpu.ops.common.products import accurate_product
 from gla_tpu.ops.gla.pallas_gpu.plan import ChunkGeometry, compiler_params

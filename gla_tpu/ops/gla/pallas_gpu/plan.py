@@ -1,11 +1,49 @@
-"""Tiling plan of the GPU GLA kernels: the static geometry every kernel shares, tile sizes and
-the padded head dims (docs/gpu_backend.md says how they were measured)."""
+"""Tiling plan of the GPU GLA kernels: tile sizes (user-tunable through BlockSizes), the padded
+head dims, and the static geometry every kernel shares (docs/gpu_backend.md says how the defaults
+were measured)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jax.experimental.pallas import triton as plgpu
+
+CHUNK = 64  # the GPU kernels' chunk length (chunk_size=64; the result does not depend on it)
+# Up to this many tokens without segments, the forward runs the token-by-token kernel
+# (decoding); its backward is the chunked one's.
+MAX_RECURRENT_T = 16
+BLOCK_K = 64  # K tile
+MAX_DIM = 512
+VALUE_BLOCKS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles of the GPU GLA kernels (performance only; results do not depend on them).
+
+    Attributes:
+      block_v: V tile of the state passes, outputs and dv (64 or 128; None: `value_block`, 128
+        from V = 256 on, else 64). Clamped to the padded V.
+      num_warps, num_warps_dqk: warps per program of every kernel but dq/dk/dg, and of that one.
+      num_stages: software-pipelining stages of the Triton loops.
+    """
+
+    block_v: int | None = None
+    num_warps: int = 4
+    num_warps_dqk: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_v is not None and self.block_v not in VALUE_BLOCKS:
+            raise ValueError(
+                f"BlockSizes.block_v={self.block_v!r} must be None or one of {VALUE_BLOCKS}.")
+        for name in ("num_warps", "num_warps_dqk"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(
+                    f"BlockSizes.{name}={getattr(self, name)!r} must be one of 1, 2, 4, 8, 16.")
+        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+            raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int in [1, 8].")
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkGeometry:
@@ -34,35 +72,31 @@ def compiler_params(geo: ChunkGeometry):
     return plgpu.CompilerParams(num_warps=geo.num_warps, num_stages=geo.num_stages)
 
 
-CHUNK = 64  # chunk length on GPU, whatever `chunk_size` asks (the result does not depend on it)
-# Up to this many tokens without segments, the forward runs the token-by-token kernel
-# (decoding); its backward is the chunked one's.
-MAX_RECURRENT_T = 16
-BLOCK_K = 64  # K tile
-MAX_DIM = 512
-
-
 def value_block(value_dim: int) -> int:
-    """V tile: 128 from V = 256 on (state passes, output and dv ran 1.3-1.4x faster than with 64 at
-    V = 512 on the H200), else 64 (more programs for the state passes' chunk loop)."""
+    """V tile: 128 from V = 256 on (the state passes, output and dv run faster than with 64 there;
+    docs/gpu_backend.md has the measurement), else 64 (more programs for the state passes' chunk
+    loop)."""
     return 128 if value_dim >= 256 else 64
 
 
 def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: float,
-                   has_segments: bool, exact_inter: bool) -> ChunkGeometry:
+                   has_segments: bool, exact_inter: bool,
+                   block_sizes: BlockSizes = BlockSizes()) -> ChunkGeometry:
     """The kernels' tiles for padded T, K and V (powers of two >= 64). `exact_inter` (mode
     "fused_recurrent") keeps dq's and dk's products with the float32 states float32-accurate, as
     that mode's XLA baseline is a float32 recurrence; modes "chunk" and "fused_chunk" round the
     states to the input dtype there, as XLA's chunked baseline and fla's chunk_gla do
     (docs/gpu_backend.md)."""
+    block_v = min(block_sizes.block_v or value_block(value_dim), value_dim)
     return ChunkGeometry(
-        chunk=CHUNK, block_k=BLOCK_K, block_v=value_block(value_dim), key_dim=key_dim,
+        chunk=CHUNK, block_k=BLOCK_K, block_v=block_v, key_dim=key_dim,
         value_dim=value_dim, num_chunks=-(-padded_len // CHUNK), scale=scale,
-        has_segments=has_segments, exact_inter=exact_inter,
+        has_segments=has_segments, num_warps=block_sizes.num_warps,
+        num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
+        exact_inter=exact_inter,
     )
 
 
 def padded_dim(d: int) -> int:
+    """K or V as the kernels take it: the next power of two, at least BLOCK_K (zero-padded)."""
     return max(BLOCK_K, 1 << (d - 1).bit_length())
-
-
