@@ -6,5 +6,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 workers="${PYTEST_WORKERS:-$(nproc)}"
 set +e
-.venv/bin/python -m pytest -n "$workers" --durations=25 "$@"
+.venv/bin/python -m pytest -n "$workers" --dist loadgroup --durations=25 "$@"
 exit $?

@@ -1,4 +1,9 @@
-"""A strict test environment: CPU only, rank promotion raises, warnings are errors (setup.cfg)."""
+"""A strict test environment: CPU only, rank promotion raises, warnings are errors (setup.cfg).
+
+Hypothesis runs one deterministic profile, "ci" (derandomized, a fixed example budget per test),
+unless asked otherwise: `pytest --hypothesis-profile=explore` draws new random examples on every
+run, with a larger budget (docs/testing.md).
+"""
 
 import os
 
@@ -6,8 +11,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pytest-xdist workers each load libtpu for the TPU compile tests; without this the second
 # process fails on libtpu's single-process lockfile.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# Several host devices let sharding tests run on a CPU machine.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Several host devices let sharding tests run on a CPU machine. Test programs run once or twice,
+# so the CPU backend compiles them without LLVM's optimizations: the suite takes half the time, and
+# the TPU compile tests produce the same executables with or without these flags
+# (docs/testing.md).
+TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=4",
+                  "--xla_backend_optimization_level=0",
+                  "--xla_llvm_disable_expensive_passes=true")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+_set = {f.split("=")[0] for f in _flags}
+_missing = [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in _set]
+os.environ["XLA_FLAGS"] = " ".join(_flags + _missing)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -15,13 +29,15 @@ from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=10,
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, deadline=None, max_examples=50,
                           print_blob=True)
 settings.load_profile("ci")
 
 
 def pytest_collection_modifyitems(config, items):
-    has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
+    has_gpu = (any(d.platform == "gpu" for d in jax.devices())
+               if os.environ.get("JAX_PLATFORMS") != "cpu" else False)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the lent H100/H200)")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:

@@ -7,17 +7,23 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def random_cotangents(key, outputs):
-    """A float32 standard-normal cotangent for every array leaf of `outputs` (None leaves skipped)."""
+def random_cotangents(key, outputs, dtype=None):
+    """A standard-normal cotangent for every array leaf of `outputs` (None leaves skipped), in
+    float32. With `dtype` (the inputs' dtype), each value is first rounded to `dtype`: autodiff
+    rounds the cotangent of a bfloat16 output to bfloat16 anyway, so the kernel, its same-dtype
+    baseline and the float64 reference must all see that rounded cotangent (docs/testing.md)."""
     leaves, treedef = jax.tree_util.tree_flatten(outputs)
     keys = jax.random.split(key, max(len(leaves), 1))
-    return treedef.unflatten(
-        [jax.random.normal(kk, x.shape, jnp.float32) for kk, x in zip(keys, leaves)]
-    )
+    cts = [jax.random.normal(kk, x.shape, jnp.float32) for kk, x in zip(keys, leaves)]
+    if dtype is not None:
+        cts = [c.astype(dtype).astype(jnp.float32) for c in cts]
+    return treedef.unflatten(cts)
 
 
-def outputs_and_grads(fn, primals: dict, cotangent_key, *, float64: bool = False):
-    """Runs `fn(**primals)` and the gradient of sum(outputs * cotangents) w.r.t. every primal.
+def outputs_and_grads(fn, primals: dict, cotangent_key, *, float64: bool = False,
+                      cotangent_dtype=None):
+    """Runs `fn(**primals)` and the gradient of sum(outputs * cotangents) w.r.t. every primal,
+    as one jitted program.
 
     Args:
       fn: a function of keyword arrays returning a pytree of arrays (None leaves allowed).
@@ -25,6 +31,8 @@ def outputs_and_grads(fn, primals: dict, cotangent_key, *, float64: bool = False
       cotangent_key: PRNG key for the cotangents; the same key gives the same cotangents for the
         kernel, the XLA baseline and the reference.
       float64: compute under jax.enable_x64 with inputs upcast to float64 (for references).
+      cotangent_dtype: round the cotangents to this dtype (the inputs' dtype; see
+        `random_cotangents`).
     Returns:
       (outputs, grads) as numpy pytrees; grads maps each non-None primal's name to its gradient.
     """
@@ -38,13 +46,13 @@ def outputs_and_grads(fn, primals: dict, cotangent_key, *, float64: bool = False
 
         def loss_fn(args):
             out = fn(**args, **fixed)
-            cts = random_cotangents(cotangent_key, out)
+            cts = random_cotangents(cotangent_key, out, cotangent_dtype)
             terms = jax.tree_util.tree_map(
-                lambda o, c: jnp.sum(o.astype(jnp.float64 if float64 else jnp.float32) * c), out, cts
-            )
+                lambda o, c: jnp.sum(o.astype(jnp.float64 if float64 else jnp.float32) * c),
+                out, cts)
             return sum(jax.tree_util.tree_leaves(terms)), out
 
-        (_, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(args)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(args)
         return jax.tree_util.tree_map(np.asarray, (out, grads))
 
     if float64:

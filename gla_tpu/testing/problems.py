@@ -11,7 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-# Gate strengths from DESIGN.md: g = logsigmoid(x) / strength; 0.1 gives decays near -7 per step.
+# Gate strengths (docs/testing.md): g = logsigmoid(x) / strength; 0.1 gives decays near -7 per
+# step.
 GATE_STRENGTHS = (0.1, 1.0, 16.0)
 
 

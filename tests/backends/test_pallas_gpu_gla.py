@@ -1,7 +1,11 @@
-"""The "pallas_gpu" GLA: parity on a CUDA GPU (marker gpu), plus CPU checks that run the Triton
-kernels in interpret mode and lower them to Triton IR for a Hopper target."""
+"""What is particular to the "pallas_gpu" GLA (tests/ops/test_gla.py checks its numerics with every
+other backend): both paths of the intra-chunk products, the few-token (decode) kernel on its own,
+lowering to Triton IR for a Hopper target; parity on a CUDA GPU under marker gpu."""
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +16,11 @@ from gla_tpu.testing.parity import check_gla_parity
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.ops.gla.pallas_gpu import kernels_intra as kernels
-from gla_tpu.testing.problems import GLACase, make_gla_inputs
+from gla_tpu.ops.gla.pallas_gpu.kernels_recurrent import block_v, recurrent_forward
+from gla_tpu.ops.gla.reference import gla_recurrent_reference
 from gla_tpu.testing.gpu_lowering import hopper_target
+from gla_tpu.testing.problems import GLACase, make_gla_inputs
+from gla_tpu.testing.tolerance import relative_rms_error
 
 # jax 0.11.2 deprecates the Pallas Triton lowering (docs/gpu_backend.md says why we still use it);
 # the warning is raised at every lowering, which this strict environment would turn into errors.
@@ -21,23 +28,13 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-def test_interpret_parity():
-    case = GLACase(1, 100, 1, 32, 64, gate="key", initial_state=True, segments=True,
-                   gate_strength=0.1)
-    check_gla_parity(case, jax.random.key(1), dtype=jnp.float32, backend="pallas_gpu",
-                     interpret=True)
-
-
-# Inputs that send the chunks down each path of the intra-chunk products (pallas_gpu_kernels.py):
+# Inputs that send the chunks down each path of the intra-chunk products (kernels_intra.py):
 # gate strength 4 keeps every chunk bounded (one product per chunk), 0.1 none (sub-chunks and
 # elementwise diagonal blocks); strength 1 at T=200 mixes both: the full chunks decay past the
-# bound, the last one (8 tokens and padding) does not (checked below).
-PATH_CASES = [(4.0, jnp.float32), (1.0, jnp.float32), (4.0, jnp.bfloat16), (0.1, jnp.bfloat16),
-              (1.0, jnp.bfloat16)]
-
-
-@pytest.mark.parametrize("gate_strength,dtype", PATH_CASES)
-def test_interpret_parity_both_paths(gate_strength, dtype):
+# bound, the last one (8 tokens and padding) does not (checked below). The unmixed paths run in
+# the matrix of tests/ops/test_gla.py (strengths 16 and 0.1); here both paths in one call.
+@pytest.mark.parametrize("gate_strength,dtype", [(1.0, jnp.float32), (1.0, jnp.bfloat16)])
+def test_interpret_parity_both_paths_in_one_call(gate_strength, dtype):
     case = GLACase(1, 200, 2, 64, 64, gate="key", initial_state=True, segments=True,
                    gate_strength=gate_strength)
     check_gla_parity(case, jax.random.key(5), dtype=dtype, backend="pallas_gpu",
@@ -51,38 +48,6 @@ def test_gate_strengths_reach_the_paths(gate_strength, expected):
     flags = kernels.bounded_chunks(chunk_local_cumsum(g, 64), 64)  # [1, 2, 4]
     by_chunk = {"all": [1, 1, 1, 1], "mixed": [0, 0, 0, 1], "none": [0, 0, 0, 0]}[expected]
     assert flags[0].tolist() == [by_chunk] * 2
-
-
-@pytest.mark.parametrize("seq_len,gate,initial_state",
-                         [(1, "key", True), (3, "head", True), (16, "none", True),
-                          (2, "key", False)])
-def test_interpret_parity_few_tokens(seq_len, gate, initial_state):
-    # T <= 16 without segments: the token-by-token forward, the chunked backward
-    case = GLACase(2, seq_len, 2, 64, 128, gate=gate, initial_state=initial_state,
-                   output_final_state=initial_state)
-    check_gla_parity(case, jax.random.key(6), dtype=jnp.float32, mode="fused_recurrent",
-                     backend="pallas_gpu", interpret=True)
-
-
-# bfloat16 with an initial state, where the XLA baseline is nearly exact (few tokens: dg is
-# mostly the initial and final states' term; mode "fused_recurrent": a float32 recurrence). The
-# states stay float32 for dg's state term; "fused_recurrent" also keeps dq's and dk's products
-# with them float32-accurate (with bfloat16-rounded states, dg was 2.5e-3 vs bound 1.5e-3 at T=1
-# and 1.5e-3 vs 1.4e-3 at T=3 on the H200 and here).
-@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
-@pytest.mark.parametrize("seq_len", [1, 3, 40])
-def test_interpret_parity_bf16_with_state(mode, seq_len):
-    case = GLACase(4, seq_len, 2, 128, 128, gate="key", initial_state=True)
-    check_gla_parity(case, jax.random.key(4), dtype=jnp.bfloat16, mode=mode,
-                     backend="pallas_gpu", interpret=True)
-
-
-def test_interpret_parity_bf16_wide():
-    # K = 256, V = 512: four K blocks, V tiles of 128; dg's inter-chunk term (the failure of an
-    # earlier identity in bfloat16 at K >= 128)
-    case = GLACase(1, 256, 1, 256, 512, gate="key", initial_state=True, gate_strength=1.0)
-    check_gla_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",
-                     interpret=True)
 
 
 @pytest.mark.parametrize("key_dim,value_dim,segments", [(128, 128, False), (64, 512, True)])
@@ -103,12 +68,6 @@ def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments):
             q, q, v, g, s0, seg).lower(lowering_platforms=("cuda",))
     # forward: state pass, intra scores, output; backward: reverse state pass, dA, dq/dk, dv
     assert lowered.as_text().count("xla.gpu.triton") == 7
-
-
-def test_too_large_dim_raises():
-    q = jnp.zeros((1, 16, 1, 1024), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="K <= 512"):
-        ops.gla(q, q, q, backend="pallas_gpu")
 
 
 GPU_CASES = [
@@ -144,3 +103,93 @@ def test_gpu_decode_few_tokens(seq_len):
     case = GLACase(4, seq_len, 2, 128, 128, gate="key", initial_state=True)
     check_gla_parity(case, jax.random.key(4), dtype=jnp.bfloat16, mode="fused_recurrent",
                      backend="pallas_gpu")
+
+
+# The few-token (decode) forward kernel on its own.
+
+
+def _inputs(key, bsz, tokens, heads, key_dim, value_dim, *, dtype, strength, initial_state):
+    """Fresh random q, k, v (dtype), log gates log_sigmoid(normal) / strength (f32) and s0."""
+    kq, kk, kv, kg, ks = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (bsz, tokens, heads, key_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (bsz, tokens, heads, key_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (bsz, tokens, heads, value_dim), jnp.float32).astype(dtype)
+    g = jax.nn.log_sigmoid(jax.random.normal(kg, (bsz, tokens, heads, key_dim))) / strength
+    s0 = (jax.random.normal(ks, (bsz, heads, key_dim, value_dim), jnp.float32)
+          if initial_state else None)
+    return q, k, v, g, s0
+
+
+def _check(key, bsz, tokens, heads, key_dim, value_dim, *, dtype, strength, initial_state,
+           interpret, tol):
+    q, k, v, g, s0 = _inputs(key, bsz, tokens, heads, key_dim, value_dim, dtype=dtype,
+                             strength=strength, initial_state=initial_state)
+    scale = key_dim ** -0.5
+    fn = jax.jit(functools.partial(recurrent_forward, scale=scale, interpret=interpret))
+    o, final = fn(q, k, v, g, s0)
+    assert o.shape == v.shape and o.dtype == v.dtype
+    assert final.shape == (bsz, heads, key_dim, value_dim) and final.dtype == jnp.float32
+    want_o, want_final = gla_recurrent_reference(  # float64, on the dtype-rounded inputs
+        q, k, v, g, scale=scale, initial_state=s0, output_final_state=True)
+    err_o, err_final = relative_rms_error(o, want_o), relative_rms_error(final, want_final)
+    assert err_o <= tol, f"o: relative RMS error {err_o:.3g} > {tol}"
+    assert err_final <= tol, f"final: relative RMS error {err_final:.3g} > {tol}"
+
+
+DIMS = [(64, 64), (128, 128), (256, 64), (64, 512)]
+
+
+# Every token count x head dims; initial state and gate strength alternate over the product.
+@pytest.mark.parametrize("index,tokens,dims", [
+    (i, tokens, dims) for i, (tokens, dims) in enumerate(itertools.product((1, 3, 16), DIMS))])
+def test_decode_kernel_interpret_parity(index, tokens, dims):
+    key_dim, value_dim = dims
+    _check(jax.random.key(index), 2, tokens, 2, key_dim, value_dim, dtype=jnp.float32,
+           strength=(1.0, 0.1)[index % 2], initial_state=index % 4 < 2, interpret=True, tol=1e-5)
+
+
+def test_decode_kernel_interpret_parity_fori_loop():
+    """More than 16 tokens take the fori_loop path."""
+    _check(jax.random.key(7), 1, 20, 2, 128, 64, dtype=jnp.float32, strength=1.0,
+           initial_state=True, interpret=True, tol=1e-5)
+
+
+def test_decode_kernel_block_v():
+    assert [block_v(kd, 512) for kd in (64, 128, 256, 512)] == [128, 64, 32, 16]
+    assert block_v(64, 64) == 64
+
+
+@pytest.mark.parametrize("bad", [(96, 64), (64, 32), (1024, 64), (128, 192)])
+def test_decode_kernel_refuses_unpadded_dims(bad):
+    key_dim, value_dim = bad
+    q = jnp.zeros((1, 1, 1, key_dim), jnp.float32)
+    v = jnp.zeros((1, 1, 1, value_dim), jnp.float32)
+    with pytest.raises(ValueError, match="recurrent_forward takes"):
+        recurrent_forward(q, q, v, q, None, scale=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("tokens,key_dim,value_dim,dtype,initial_state", [
+    (1, 128, 128, jnp.bfloat16, True),
+    (1, 512, 512, jnp.float16, True),
+    (3, 64, 512, jnp.float32, False),
+    (16, 256, 64, jnp.bfloat16, True),
+    (20, 128, 128, jnp.bfloat16, True),
+])
+def test_decode_kernel_lowers_to_triton(tokens, key_dim, value_dim, dtype, initial_state):
+    q = jax.ShapeDtypeStruct((2, tokens, 2, key_dim), dtype)
+    v = jax.ShapeDtypeStruct((2, tokens, 2, value_dim), dtype)
+    g = jax.ShapeDtypeStruct((2, tokens, 2, key_dim), jnp.float32)
+    s0 = jax.ShapeDtypeStruct((2, 2, key_dim, value_dim), jnp.float32) if initial_state else None
+    fn = functools.partial(recurrent_forward, scale=key_dim ** -0.5, interpret=False)
+    with hopper_target():
+        lowered = jax.jit(fn).trace(q, q, v, g, s0).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)], ids=str)
+@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("strength", [1.0, 0.1])
+def test_gpu_decode_kernel_parity(tokens, dtype, tol, strength):
+    _check(jax.random.key(tokens + int(10 * strength)), 4, tokens, 4, 128, 128, dtype=dtype,
+           strength=strength, initial_state=True, interpret=False, tol=tol)

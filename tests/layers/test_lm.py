@@ -60,7 +60,7 @@ def _decode_all(params, tokens, cfg, prompt_len):
 def test_decoding_equals_full_forward(kind):
     """float32: token-by-token decoding and prompt-then-decode give the full forward's logits
     (T = 24 > 16, so the linear kinds' full forward runs the chunked mode, decoding the recurrent
-    one). bfloat16: decoding passes DESIGN.md's rule against the float32 forward with the bfloat16
+    one). bfloat16: decoding passes the pass rule against the float32 forward with the bfloat16
     full forward as baseline."""
     params = lm.init(jax.random.key(0), _config(kind))
     tokens = _tokens(jax.random.key(1))
@@ -188,7 +188,7 @@ def test_adamw_step_matches_formula_and_training_lowers_loss():
 
 
 def _load_bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "associative_recall.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "associative_recall.py"
     spec = importlib.util.spec_from_file_location("associative_recall", path)
     module = importlib.util.module_from_spec(spec)
     # dataclasses look their module up in sys.modules.

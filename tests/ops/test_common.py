@@ -1,58 +1,79 @@
-"""The "xla" backend against the float64 references: outputs, final states and every gradient."""
+"""The pieces every backend shares, tested once: segment geometry, masks, the chunk cumsum, FLOP
+counts; and properties of the ops that no parity check shows (determinism, memory at long T)."""
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gla_tpu import ops
-from gla_tpu.testing import GLACase, make_gla_inputs
-from gla_tpu.testing.parity import check_attention_parity, check_gla_parity
-from gla_tpu.testing.strategies import attention_cases, gla_cases
+from gla_tpu.ops.common import flops, segments
+from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
+from gla_tpu.ops.common.masks import intra_chunk_visibility, lower_triangular
+from gla_tpu.testing import GLACase, make_gla_inputs, random_segment_ids
 
-DTYPES = [jnp.float32, jnp.bfloat16]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@settings(max_examples=6)
-@given(case=attention_cases())
-def test_attention_xla_matches_reference(dtype, case):
-    check_attention_parity(case, jax.random.key(hash(case) % 2**31), dtype=dtype, backend="xla")
+IDS = jnp.array([[7, 7, 3, 3, 3, 7, 1, 1],    # an id that comes back starts a new segment
+                 [0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("mode", ["chunk", "fused_chunk", "fused_recurrent"])
-@settings(max_examples=4)
-@given(case=gla_cases(), chunk_size=st.sampled_from([64, 128]))
-def test_gla_xla_matches_reference(dtype, mode, case, chunk_size):
-    check_gla_parity(case, jax.random.key(hash(case) % 2**31), dtype=dtype, mode=mode,
-                     chunk_size=chunk_size, backend="xla")
+def test_segment_index_and_token_masks():
+    seg = segments.segment_index(IDS)
+    np.testing.assert_array_equal(seg, [[0, 0, 1, 1, 1, 2, 3, 3], [0] * 8])
+    keeps, starts = segments.token_keeps(seg), segments.token_starts(seg)
+    np.testing.assert_array_equal(keeps[0], [1, 1, 0, 1, 1, 0, 0, 1])
+    np.testing.assert_array_equal(starts, ~keeps)
 
 
-@pytest.mark.parametrize("gate", ["key", "head"])
-@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
-def test_gla_xla_extreme_decay_is_finite_and_right(gate, mode):
-    # g = -1e3 per step: every chunk-local exponent difference is huge; nothing may overflow.
-    case = GLACase(1, 150, 2, 32, 16, gate=gate, initial_state=True, segments=True)
-    key = jax.random.key(5)
-    inputs = make_gla_inputs(case, key)
-    g = jnp.full(inputs["g"].shape, -1e3, jnp.float32)
-    o, s = ops.gla(**{**inputs, "g": g}, output_final_state=True, mode=mode, backend="xla")
-    ro, rs = ops.gla_recurrent_reference(**{**inputs, "g": g}, output_final_state=True)
-    assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
-    np.testing.assert_allclose(o, ro, rtol=1e-5, atol=1e-5)
-    grads = jax.grad(lambda q, k, v, g: ops.gla(q, k, v, g, mode=mode, backend="xla")[0].sum(),
-                     argnums=(0, 1, 2, 3))(inputs["q"], inputs["k"], inputs["v"], g)
-    assert all(np.all(np.isfinite(x)) for x in grads)
+@pytest.mark.parametrize("chunk", [2, 4])
+def test_chunk_segment_geometry_matches_a_loop(chunk):
+    seg = segments.segment_index(random_segment_ids(jax.random.key(0), 3, 32, mean_len=3.0))
+    b, t = seg.shape
+    n = t // chunk
+    entry = segments.chunk_entry_segments(seg, chunk)  # [B, N]
+    reaches, in_last, keep = segments.chunk_segment_masks(seg.reshape(b, n, chunk),
+                                                          entry[:, :, None])
+    seg = np.asarray(seg)
+    for r in range(b):
+        for c in range(n):
+            first = c * chunk
+            want_entry = seg[r, max(first - 1, 0)]
+            assert entry[r, c] == want_entry
+            tokens = seg[r, first:first + chunk]
+            np.testing.assert_array_equal(reaches[r, c], tokens == want_entry)
+            np.testing.assert_array_equal(in_last[r, c], tokens == tokens[-1])
+            assert keep[r, c, 0] == (tokens[-1] == want_entry)
 
 
-@settings(max_examples=3)
-@given(case=gla_cases(seq_lens=(300, 1025), key_dims=(16,), value_dims=(8,)))
-def test_gla_xla_long_sequences_against_recurrent_reference(case):
-    check_gla_parity(case, jax.random.key(7), dtype=jnp.float32, mode="chunk", backend="xla")
+def test_intra_chunk_visibility():
+    i, j = jnp.arange(5)[:, None], jnp.arange(5)[None, :]
+    np.testing.assert_array_equal(intra_chunk_visibility(i, j), np.tril(np.ones((5, 5), bool)))
+    np.testing.assert_array_equal(lower_triangular(5, jnp.float32), np.tril(np.ones((5, 5))))
+    seg = jnp.array([0, 0, 1, 1, 1])
+    visible = intra_chunk_visibility(i, j, seg[:, None], seg[None, :])
+    np.testing.assert_array_equal(visible[3], [False, False, True, True, False])
+
+
+@pytest.mark.parametrize("shape", [(2, 128, 3), (2, 128, 3, 16)])
+def test_chunk_local_cumsum(shape):
+    g = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(1), shape))
+    b = chunk_local_cumsum(g, 64)
+    want = np.cumsum(np.asarray(g, np.float64).reshape((2, 2, 64) + shape[2:]), axis=2)
+    np.testing.assert_allclose(b, want.reshape(shape), rtol=1e-5, atol=1e-5)
+    if len(shape) == 4:
+        np.testing.assert_allclose(chunk_local_cumsum(g, 64, method="triangular"), b,
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of chunk_size=48"):
+        chunk_local_cumsum(g, 48)
+
+
+def test_flop_counts():
+    assert flops.causal_visible_fraction(4, 4) == 10 / 16
+    assert flops.causal_visible_fraction(2, 4) == 7 / 8  # bottom-right: rows see 3 and 4 keys
+    assert flops.attention_flops(1, 8, 8, 2, 16) == 4 * 8 * 8 * 2 * 16
+    assert flops.attention_flops(1, 8, 8, 2, 16, causal=True, backward=True) == (
+        4 * 8 * 8 * 2 * 16 * (36 / 64) * 3.5)
+    assert flops.gla_flops(1, 10, 2, 4, 8, chunk_size=64) == 20 * (64 * 4 + 64 * 8 + 4 * 4 * 8)
 
 
 def _largest_intermediate(fn, *args):
@@ -98,17 +119,3 @@ def test_runs_are_bitwise_deterministic(op):
     first, second = grad_fn(inputs), grad_fn(inputs)
     for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_attention_rows_that_see_no_key_give_zeros_and_zero_grads():
-    q = jax.random.normal(jax.random.key(0), (1, 6, 2, 16))
-    kv = jax.random.normal(jax.random.key(1), (1, 4, 2, 16))
-    seg = (jnp.array([[0, 0, 5, 5, 1, 1]]), jnp.array([[0, 0, 1, 1]]))  # id 5 sees nothing
-
-    def f(q, k, v):
-        return ops.flash_attention(q, k, v, segment_ids=seg, backend="xla")
-
-    o = f(q, kv, kv)
-    assert np.all(o[0, 2:4] == 0) and np.all(np.isfinite(o))
-    dq = jax.grad(lambda q: f(q, kv, kv).sum())(q)
-    assert np.all(dq[0, 2:4] == 0) and np.all(np.isfinite(dq))

@@ -1,13 +1,23 @@
 """Every bad input gets a ValueError (invalid) or NotImplementedError (backend cannot take it),
-with a message that names the argument, the value and what is accepted."""
+with a message that names the argument, the value and what is accepted; backend="auto" picks the
+platform's kernel or falls back to "xla" with a one-time warning; the README's backend tables are
+the backends' declared capabilities."""
 
 import re
+import warnings
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gla_tpu import ops
+from gla_tpu.ops.attention import mosaic_tpu as attention_tpu
+from gla_tpu.ops.attention import pallas_gpu as attention_gpu
+from gla_tpu.ops.common import backends
+from gla_tpu.ops.common.capabilities import Dims, backend_table
+from gla_tpu.ops.gla import mosaic_tpu as gla_tpu_backend
+from gla_tpu.ops.gla import pallas_gpu as gla_gpu_backend
 
 B, T, H, D = 2, 16, 4, 32
 Q = jnp.ones((B, T, H, D), jnp.float32)
@@ -76,6 +86,7 @@ GLA_BAD = [
     ({"chunk_size": 32}, ValueError, r"chunk_size must be one of \(64, 128, None\); got 32"),
     ({"chunk_size": True}, ValueError, r"chunk_size must be one of"),
     ({"backend": "triton"}, ValueError, r"backend must be one of .*'triton'"),
+    ({"backend": "xla", "block_sizes": object()}, NotImplementedError, r"'xla' backend takes None"),
 ]
 
 
@@ -91,3 +102,131 @@ def test_gla_aliases_fix_the_mode():
     o1, _ = ops.chunk_gla(Q, Q, Q, GK)
     o2, _ = ops.fused_recurrent_gla(Q, Q, Q, GK)
     np.testing.assert_allclose(o1, o2, rtol=2e-5, atol=2e-5)
+
+
+# backend="auto" and named backends.
+
+
+X48 = jnp.ones((1, 8, 2, 48), jnp.float32)  # head dim 48: no Pallas backend takes it
+
+
+def test_auto_on_cpu_runs_xla_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.flash_attention(X48, X48, X48)
+        ops.gla(X48, X48, X48)
+
+
+@pytest.mark.parametrize("platform,kernel", [("tpu", "mosaic_tpu"), ("gpu", "pallas_gpu")])
+def test_auto_falls_back_to_xla_once_with_reason(monkeypatch, platform, kernel):
+    monkeypatch.setattr(backends, "default_platform", lambda: platform)
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(ops.BackendFallbackWarning, match=f"from '{kernel}' to 'xla'"):
+        ops.flash_attention(X48, X48, X48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.flash_attention(X48, X48, X48)  # the same reason warns only once
+
+
+# A head dim each Pallas backend refuses (docs/api.md lists what each takes).
+UNSUPPORTED_GLA_DIM = {"mosaic_tpu": 48, "pallas_gpu": 576}
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "pallas_gpu"])
+def test_named_backend_never_falls_back(backend):
+    with pytest.raises(NotImplementedError, match=backend):
+        ops.flash_attention(X48, X48, X48, backend=backend, interpret=True)
+    x = jnp.ones((1, 8, 2, UNSUPPORTED_GLA_DIM[backend]), jnp.float32)
+    with pytest.raises(NotImplementedError, match=backend):
+        ops.gla(x, x, x, jnp.zeros((1, 8, 2)), backend=backend, interpret=True)
+
+
+@pytest.mark.parametrize("op", ["flash_attention", "gla"])
+def test_mosaic_tpu_refuses_float16_and_auto_falls_back(monkeypatch, op):
+    x = jnp.ones((1, 8, 2, 64), jnp.float16)
+    call = (lambda **kw: ops.flash_attention(x, x, x, **kw)) if op == "flash_attention" else (
+        lambda **kw: ops.gla(x, x, x, **kw))
+    with pytest.raises(NotImplementedError, match="takes bfloat16, float32 q, k, v; got float16"):
+        call(backend="mosaic_tpu", interpret=True)
+    monkeypatch.setattr(backends, "default_platform", lambda: "tpu")
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(ops.BackendFallbackWarning, match="float16"):
+        call()
+
+
+# block_sizes: a wrong type is a ValueError for every Pallas backend (so "auto" does not hide it
+# behind a fallback); the right type for another backend is a wrong type.
+@pytest.mark.parametrize("op,backend,sizes", [
+    ("flash_attention", "mosaic_tpu", attention_gpu.BlockSizes()),
+    ("flash_attention", "pallas_gpu", attention_tpu.BlockSizes()),
+    ("gla", "mosaic_tpu", gla_gpu_backend.BlockSizes()),
+    ("gla", "pallas_gpu", gla_tpu_backend.BlockSizes()),
+    ("gla", "pallas_gpu", (64, 64)),
+])
+def test_block_sizes_of_another_backend_raise_value_error(op, backend, sizes):
+    x = jnp.ones((1, 8, 2, 64), jnp.float32)
+    call = ops.flash_attention if op == "flash_attention" else ops.gla
+    with pytest.raises(ValueError, match=f"block_sizes for backend='{backend}'"):
+        call(x, x, x, backend=backend, block_sizes=sizes, interpret=True)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "pallas_gpu"])
+def test_gla_chunk_size_is_honoured_or_refused(backend):
+    x = jnp.ones((1, 70, 1, 64), jnp.float32)
+    call = lambda: ops.gla(x, x, x, mode="chunk", chunk_size=128, backend=backend,  # noqa: E731
+                           interpret=True)
+    if 128 in backends.backend_module("gla", backend).CAPABILITIES.chunk_sizes:
+        call()
+    else:
+        with pytest.raises(NotImplementedError, match="chunk_size 64; got chunk_size=128"):
+            call()
+
+
+def test_interpret_of_wrong_type_raises_value_error():
+    x = jnp.ones((1, 8, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="interpret"):
+        ops.flash_attention(x, x, x, backend="mosaic_tpu", interpret="yes")
+
+
+@pytest.mark.parametrize("dims,accepted,refused,text", [
+    (Dims(values=(64, 128, 256)), (64, 256), (32, 192), "64, 128, 256"),
+    (Dims(multiple=64, low=64, high=512), (64, 192, 512), (32, 96, 576),
+     "multiples of 64 from 64 to 512"),
+    (Dims(high=512), (1, 48, 512), (513,), "up to 512"),
+    (Dims(), (1, 4096), (), "any"),
+])
+def test_dims_accept_and_describe(dims, accepted, refused, text):
+    assert all(dims.accepts(d) for d in accepted)
+    assert not any(dims.accepts(d) for d in refused)
+    assert dims.describe() == text
+
+
+def _readme_table(op):
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    start, end = f"<!-- {op} backends: start -->\n", f"<!-- {op} backends: end -->"
+    if start not in text or end not in text:
+        raise AssertionError(f"README.md has no {start.strip()} ... {end} section")
+    return text[text.index(start) + len(start):text.index(end)]
+
+
+@pytest.mark.parametrize("op_family,op", [("attention", "flash_attention"), ("gla", "gla")])
+def test_readme_backend_tables_are_the_declared_capabilities(op_family, op):
+    expected = backend_table(backends.capabilities(op_family))
+    assert _readme_table(op) == expected, (
+        f"README.md's {op} table differs from the backends' CAPABILITIES; it should read:\n"
+        f"{expected}")
+
+
+@pytest.mark.parametrize("op,backend", [("flash_attention", "mosaic_tpu"), ("gla", "mosaic_tpu"),
+                                        ("flash_attention", "pallas_gpu"), ("gla", "pallas_gpu")])
+def test_support_is_checked_once_per_call(monkeypatch, op, backend):
+    family = "attention" if op == "flash_attention" else "gla"
+    module = backends.backend_module(family, backend)
+    calls = []
+    original = module.CAPABILITIES.check
+    monkeypatch.setattr(type(module.CAPABILITIES), "check",
+                        lambda self, problem: calls.append(self.backend) or original(problem))
+    x = jnp.ones((1, 8, 2, 64), jnp.float32)
+    (ops.flash_attention if op == "flash_attention" else ops.gla)(x, x, x, backend=backend,
+                                                                    interpret=True)
+    assert calls == [backend]
