@@ -223,9 +223,13 @@ def test_support_is_checked_once_per_call(monkeypatch, op, backend):
     family = "attention" if op == "flash_attention" else "gla"
     module = backends.backend_module(family, backend)
     calls = []
-    original = module.CAPABILITIES.check
-    monkeypatch.setattr(type(module.CAPABILITIES), "check",
-                        lambda self, problem: calls.append(self.backend) or original(problem))
+    original = type(module.CAPABILITIES).check
+
+    def counted(self, *args):
+        calls.append(self.backend)
+        return original(self, *args)
+
+    monkeypatch.setattr(type(module.CAPABILITIES), "check", counted)
     x = jnp.ones((1, 8, 2, 64), jnp.float32)
     (ops.flash_attention if op == "flash_attention" else ops.gla)(x, x, x, backend=backend,
                                                                     interpret=True)

@@ -21,11 +21,7 @@ CAPABILITIES = Capabilities(
 
 
 def check_supported(problem, block_sizes) -> None:
-    CAPABILITIES.check(problem)
-    if block_sizes is not None:
-        raise NotImplementedError(
-            f"block_sizes={block_sizes!r} tunes the Pallas kernels; the 'xla' backend takes None."
-        )
+    CAPABILITIES.check(problem, block_sizes)
 
 
 def visibility_mask(problem, q_segment_ids, kv_segment_ids):

@@ -66,6 +66,7 @@ class Capabilities:
         of the chunked modes.
       features: the optional features it takes (ATTENTION_FEATURES / GLA_FEATURES).
       notes: how it runs (for the README).
+      block_sizes: the backend's BlockSizes class, or None for a backend without tiles.
     """
 
     op: str
@@ -78,6 +79,7 @@ class Capabilities:
     gates: tuple[str, ...] = ()
     chunk_sizes: tuple[int, ...] = ()
     notes: str = ""
+    block_sizes: type | None = None
 
     def refusal(self, problem) -> str | None:
         """Why this backend cannot take `problem` (a validated AttentionProblem or GLAProblem),
@@ -102,8 +104,21 @@ class Capabilities:
                 return f"does not take {FEATURE_NAMES[feature]}"
         return None
 
-    def check(self, problem) -> None:
-        """NotImplementedError naming the constraint when this backend cannot take `problem`."""
+    def check(self, problem, block_sizes=None) -> None:
+        """ValueError for block sizes of another type than this backend's; NotImplementedError
+        naming the constraint when this backend cannot take `problem` (or, for a backend without
+        tiles, any block sizes)."""
+        if block_sizes is not None:
+            if self.block_sizes is None:
+                raise NotImplementedError(
+                    f"block_sizes={block_sizes!r} tunes the Pallas kernels; the {self.backend!r} "
+                    "backend takes None.")
+            if not isinstance(block_sizes, self.block_sizes):
+                cls = self.block_sizes
+                raise ValueError(
+                    f"block_sizes for backend={self.backend!r} must be None or "
+                    f"{cls.__module__.removesuffix('.plan')}.{cls.__name__}; got "
+                    f"{block_sizes!r}.")
         reason = self.refusal(problem)
         if reason is not None:
             raise NotImplementedError(

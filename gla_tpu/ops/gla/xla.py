@@ -33,11 +33,7 @@ CAPABILITIES = Capabilities(
 
 
 def check_supported(problem, block_sizes) -> None:
-    CAPABILITIES.check(problem)
-    if block_sizes is not None:
-        raise NotImplementedError(
-            f"block_sizes={block_sizes!r} tunes the Pallas kernels; the 'xla' backend takes None."
-        )
+    CAPABILITIES.check(problem, block_sizes)
 
 
 def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):

@@ -21,17 +21,11 @@ CAPABILITIES = Capabilities(
     dtypes=("bfloat16", "float32"), dims=(("head_dim", Dims(values=(64, 128, 256))),),
     features=ATTENTION_FEATURES,
     notes="forward, dq and dk/dv kernels (Mosaic); causal blocks skipped; any T, S",
+    block_sizes=BlockSizes,
 )
 
 def check_supported(problem, block_sizes) -> None:
-    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
-    ValueError for block sizes of the wrong type."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(
-            "block_sizes for backend='mosaic_tpu' must be None or "
-            f"gla_tpu.ops.attention.mosaic_tpu.BlockSizes; got {block_sizes!r}."
-        )
-    CAPABILITIES.check(problem)
+    CAPABILITIES.check(problem, block_sizes)
 
 
 def _head_major(x, length_padded: int):

@@ -25,18 +25,12 @@ CAPABILITIES = Capabilities(
     dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
     notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 "
           "in bf16 / f16 without segment_ids, Triton elsewhere; dq and dk/dv kernels: Triton",
+    block_sizes=BlockSizes,
 )
 
 
 def check_supported(problem, block_sizes) -> None:
-    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
-    ValueError for block sizes of the wrong type."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(
-            "block_sizes for backend='pallas_gpu' must be None or "
-            f"gla_tpu.ops.attention.pallas_gpu.BlockSizes; got {block_sizes!r}."
-        )
-    CAPABILITIES.check(problem)
+    CAPABILITIES.check(problem, block_sizes)
 
 
 def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):

@@ -39,19 +39,14 @@ CAPABILITIES = Capabilities(
     features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=CHUNK_SIZES,
     notes="chunked kernels (chunk, fused_chunk) and token-by-token kernels (fused_recurrent, "
           "a T = 1 decode kernel); forward and backward incl. dg",
+    block_sizes=BlockSizes,
 )
 
 
 def check_supported(problem, block_sizes) -> None:
-    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
-    ValueError for block sizes of the wrong type."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(
-            "block_sizes for backend='mosaic_tpu' must be None or "
-            f"gla_tpu.ops.gla.mosaic_tpu.BlockSizes; got {block_sizes!r}."
-        )
-    CAPABILITIES.check(problem)
+    CAPABILITIES.check(problem, block_sizes)
     if problem.mode == "fused_recurrent":
+        # NotImplementedError when no block sizes fit the VMEM budget
         recurrent_plan(problem, block_sizes or BlockSizes())
 
 

@@ -39,18 +39,12 @@ CAPABILITIES = Capabilities(
     notes="every mode runs the chunked Triton kernels (fused_recurrent with float32-accurate "
           "state products in its backward); T <= 16 without segments: a token-by-token "
           "forward; forward and backward incl. dg",
+    block_sizes=BlockSizes,
 )
 
 
 def check_supported(problem, block_sizes) -> None:
-    """NotImplementedError (naming the constraint) for a problem this backend cannot take,
-    ValueError for block sizes of the wrong type."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise ValueError(
-            "block_sizes for backend='pallas_gpu' must be None or "
-            f"gla_tpu.ops.gla.pallas_gpu.BlockSizes; got {block_sizes!r}."
-        )
-    CAPABILITIES.check(problem)
+    CAPABILITIES.check(problem, block_sizes)
 
 
 def segment_masks(seg, chunk: int):
