@@ -3,9 +3,10 @@
 Every configuration the docs claim (docs/attention_mosaic_tpu.md, docs/gla_mosaic_tpu.md,
 docs/gla_mosaic_tpu_recurrent.md), through the public API, bfloat16 q, k, v (float32 gates), for
 v4, v5e, v5p, v6e and 7x. Compiling runs the whole Mosaic compiler for the generation, VMEM budget
-included. A forward+backward program (jax.grad of a scalar loss) runs the forward kernels in its
-forward pass, so it compiles them too: forward-only programs are compiled only where no backward
-exists (the decode step).
+included. A forward+backward program (jax.grad of the sum of the squared outputs, whose gradient
+needs the outputs' values, so no forward kernel is dropped as dead code) runs the forward kernels
+in its forward pass and so compiles them too: forward-only programs are compiled only where no
+backward exists (the decode step).
 """
 
 import jax
@@ -24,9 +25,11 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def _grad_of_sum(fn, argnums):
-    """Forward and backward of `fn`: the gradient of the sum of its float outputs."""
+    """Forward and backward of `fn`: the gradient of the sum of its squared outputs. (With a plain
+    sum, an output's cotangent would not depend on its value and XLA would drop a forward kernel
+    whose outputs the backward does not read, e.g. GLA's chunk outputs kernel.)"""
     def loss(*args):
-        return sum(jnp.sum(x.astype(F32)) for x in jax.tree_util.tree_leaves(fn(*args)))
+        return sum(jnp.sum(x.astype(F32) ** 2) for x in jax.tree_util.tree_leaves(fn(*args)))
 
     return jax.grad(loss, argnums=argnums)
 

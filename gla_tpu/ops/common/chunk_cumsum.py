@@ -22,8 +22,8 @@ def chunk_local_cumsum(g, chunk_size: int, *, method: str = "cumsum"):
     Args:
       g: [B, T, H] or [B, T, H, K] log gates, T a multiple of chunk_size.
       method: "cumsum" (XLA's cumulative sum) or "triangular" (one float32 product with a
-        lower-triangular matrix of ones, which the GPU runs faster than a cumsum;
-        docs/gpu_backend.md). [B, T, H, K] only.
+        lower-triangular matrix of ones on the matrix units, which GPUs and TPUs run faster than
+        a cumsum; docs/gpu_backend.md, docs/gla_mosaic_tpu.md).
     Returns:
       same shape, float32: b[t] = sum of g over [chunk_start(t), t].
     """
@@ -31,10 +31,12 @@ def chunk_local_cumsum(g, chunk_size: int, *, method: str = "cumsum"):
     if t % chunk_size:
         raise ValueError(f"chunk_local_cumsum needs T={t} to be a multiple of {chunk_size=}")
     if method == "triangular":
-        h, kd = g.shape[2], g.shape[3]
         ones = jnp.tril(jnp.ones((chunk_size, chunk_size), jnp.float32))
-        gc = g.reshape(b, t // chunk_size, chunk_size, h, kd)
-        out = jnp.einsum("ts,bnshk->bnthk", ones, gc, precision=jax.lax.Precision.HIGHEST)
+        gc = g.astype(jnp.float32).reshape((b, t // chunk_size, chunk_size) + g.shape[2:])
+        # "bnshk" for per-key gates, "bnsh" for per-head ones
+        rest = "hk"[:g.ndim - 2]
+        out = jnp.einsum(f"ts,bns{rest}->bnt{rest}", ones, gc,
+                         precision=jax.lax.Precision.HIGHEST)
         return out.reshape(g.shape)
     if method != "cumsum":
         raise ValueError(f"method must be 'cumsum' or 'triangular'; got {method!r}.")

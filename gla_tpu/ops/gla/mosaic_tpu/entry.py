@@ -80,7 +80,9 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
     q_p, k_p, v_p = (pad_time(x, c) for x in (q, k, v))
     tp = q_p.shape[1]
     # Zero log gates in the padding: padded tokens (k = v = 0) change neither o nor the state.
-    bsum = None if g is None else chunk_local_cumsum(pad_time(g, c), c)
+    # One product with a triangle of ones per chunk (the matrix units; XLA's cumsum on TPU is a
+    # slow reduce-window, docs/gla_mosaic_tpu.md).
+    bsum = None if g is None else chunk_local_cumsum(pad_time(g, c), c, method="triangular")
     rel = None
     if segment_ids is not None:
         rel = _relative_segments(pad_segment_index(segment_index(segment_ids), c), c)

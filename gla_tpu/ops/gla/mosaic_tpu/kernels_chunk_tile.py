@@ -142,20 +142,19 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
 
 
 def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_dq, want_dk):
-    """Secondary chunking (docs/gla_mosaic_tpu.md): query sub-chunk I against earlier keys factors
-    through r = b at I's first token (exp(b_i - r) * exp(r - b_j), both exponents <= 0); the
-    diagonal sub-chunk takes the elementwise form one key column at a time."""
+    """Secondary chunking (docs/gla_mosaic_tpu.md), the pairs in different sub-chunks: query
+    sub-chunk I against earlier keys factors through r = b at I's first token
+    (exp(b_i - r) * exp(r - b_j), both exponents <= 0), one matmul per sub-chunk. The diagonal
+    sub-chunk blocks are left out (zero here): `diagonal_blocks` computes them."""
     c, kd = q.shape
     s = min(SUB_CHUNK, c)
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
     key_pos = _iota((c, 1), 0)
-    col_pos = _iota((1, c), 1)
-    sub_pos = _iota((s, 1), 0)
-    score_rows, dq_rows, dk_diag_rows = [], [], []
+    score_rows, dq_rows = [], []
     dk = jnp.zeros((c, kd), jnp.float32) if want_dk else None
     for i_sub in range(c // s):
         r0 = i_sub * s
-        q_i, k_i, b_i = qf[r0:r0 + s], kf[r0:r0 + s], b[r0:r0 + s]  # [s, K]
+        q_i, b_i = qf[r0:r0 + s], b[r0:r0 + s]  # [s, K]
         ref = b[r0:r0 + 1]  # [1, K]
         q_scale = jnp.exp(b_i - ref)  # [s, K], exponent <= 0
         q_rel = q_i * q_scale
@@ -163,41 +162,63 @@ def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_dq, want_dk):
         # Keys strictly before the sub-chunk: exp(ref - b_j) <= 1, zero elsewhere.
         before = key_pos < r0  # [C, 1]
         k_scale = jnp.where(before, jnp.exp(jnp.where(before, ref - b, 0.0)), 0.0)  # [C, K]
-        score_i = _dot(q_rel, kf * k_scale, "nt", dt) if want_scores else None  # [s, C]
-        dq_i = _dot(ds_i, kf * k_scale, "nn", dt) * q_scale if want_dq else None  # [s, K]
+        if want_scores:
+            score_rows.append(_dot(q_rel, kf * k_scale, "nt", dt))  # [s, C]
+        if want_dq:
+            dq_rows.append(_dot(ds_i, kf * k_scale, "nn", dt) * q_scale)  # [s, K]
         if want_dk:
             dk = dk + _dot(ds_i, q_rel, "tn", dt) * k_scale
-
-        def diag_step(j, carry, q_i=q_i, k_i=k_i, b_i=b_i, ds_i=ds_i, r0=r0):
-            score_i, dq_i, dk_i = carry
-            pick = sub_pos == j  # [s, 1]
-            k_j = jnp.sum(jnp.where(pick, k_i, 0.0), axis=0, keepdims=True)  # [1, K]
-            b_j = jnp.sum(jnp.where(pick, b_i, 0.0), axis=0, keepdims=True)
-            # Rows i < j would have a positive exponent: clamped here, masked by `mask` later.
-            e = jnp.exp(jnp.minimum(b_i - b_j, 0.0))  # [s, K]
-            column = col_pos == r0 + j  # [1, C]
-            if score_i is not None:
-                a_col = jnp.sum(q_i * k_j * e, axis=1, keepdims=True)  # [s, 1]
-                score_i = score_i + jnp.where(column, a_col, 0.0)
-            if dq_i is not None or dk_i is not None:
-                g_col = jnp.sum(jnp.where(column, ds_i, 0.0), axis=1, keepdims=True)  # [s, 1]
-                if dq_i is not None:
-                    dq_i = dq_i + g_col * k_j * e
-                if dk_i is not None:
-                    dk_row = jnp.sum(g_col * q_i * e, axis=0, keepdims=True)  # [1, K]
-                    dk_i = dk_i + jnp.where(pick, dk_row, 0.0)
-            return score_i, dq_i, dk_i
-
-        dk_i = jnp.zeros((s, kd), jnp.float32) if want_dk else None
-        score_i, dq_i, dk_i = jax.lax.fori_loop(0, s, diag_step, (score_i, dq_i, dk_i))
-        score_rows.append(score_i)
-        dq_rows.append(dq_i)
-        dk_diag_rows.append(dk_i)
     scores = jnp.where(mask, jnp.concatenate(score_rows, axis=0), 0.0) if want_scores else None
     dq = jnp.concatenate(dq_rows, axis=0) if want_dq else None
-    if want_dk:
-        dk = dk + jnp.concatenate(dk_diag_rows, axis=0)
     return scores, dq, dk
+
+
+def _diagonal_mask(s: int, r0: int, seg: Segments | None):
+    """[s, s, 1] bool: within the sub-chunk at r0, token i sees token j (j <= i, same segment)."""
+    i, j = _iota((s, s, 1), 0), _iota((s, s, 1), 1)
+    if seg is None:
+        return intra_chunk_visibility(i, j)
+    col = seg.col[r0:r0 + s]  # [s, 1]
+    return intra_chunk_visibility(i, j, col[:, None, :], col[None, :, :])
+
+
+def diagonal_blocks(q, k, b, seg: Segments | None, *, v=None, do_scaled=None):
+    """The diagonal sub-chunk blocks of per-key intra-chunk attention, elementwise in float32
+    (the pairs whose factored form would need a positive exponent). Per sub-chunk of s tokens the
+    [s, s, K] decays exp(b_i - b_j) (exponent clamped to <= 0; pairs j > i are masked) make
+    A_ij = sum_k q_ik k_jk exp(b_ik - b_jk) with keys j on sublanes, so the products with v and
+    dO reduce along sublanes or the leading axis, with no relayout.
+
+    Args:
+      q, k: [C, K]; b: [C, K] float32 gate sums; seg: the chunk's segments or None.
+      v: [C, bv] for the output (A v) and dv (A^T dO); do_scaled: [C, bv] float32 (scale * dO)
+        for dv, dq and dk.
+    Returns:
+      dict of float32 arrays: "out" [C, bv] (with v), and with do_scaled: "dv" [C, bv],
+      "dq" [C, K], "dk" [C, K].
+    """
+    c = q.shape[0]
+    s = min(SUB_CHUNK, c)
+    f32 = jnp.float32
+    rows = {name: [] for name in ("out", "dv", "dq", "dk")}
+    for i_sub in range(c // s):
+        sub = slice(i_sub * s, (i_sub + 1) * s)
+        q_i, k_i, b_i = q[sub].astype(f32), k[sub].astype(f32), b[sub]  # [s, K]
+        v_i = v[sub].astype(f32)  # [s, bv]
+        mask = _diagonal_mask(s, i_sub * s, seg)  # [s, s, 1]
+        decay = jnp.exp(jnp.minimum(b_i[:, None, :] - b_i[None, :, :], 0.0))  # [s, s, K]
+        a = jnp.sum(q_i[:, None, :] * k_i[None, :, :] * decay, axis=-1, keepdims=True)
+        a = jnp.where(mask, a, 0.0)  # [s, s, 1]: query i, key j
+        if do_scaled is None:
+            rows["out"].append(jnp.sum(a * v_i[None, :, :], axis=1))  # [s, bv]
+            continue
+        do_i = do_scaled[sub]  # [s, bv]
+        da = jnp.sum(do_i[:, None, :] * v_i[None, :, :], axis=-1, keepdims=True)
+        da = jnp.where(mask, da, 0.0)  # [s, s, 1]
+        rows["dv"].append(jnp.sum(a * do_i[:, None, :], axis=0))  # [s, bv]
+        rows["dq"].append(jnp.sum(da * k_i[None, :, :] * decay, axis=1))  # [s, K]
+        rows["dk"].append(jnp.sum(da * q_i[:, None, :] * decay, axis=0))  # [s, K]
+    return {name: jnp.concatenate(r, axis=0) for name, r in rows.items() if r}
 
 
 def carried_queries(q, gate: Gate, seg: Segments | None):
@@ -223,6 +244,8 @@ def output(q, k, v, gate, seg, st, scale, dt):
     c = q.shape[0]
     scores, _, _ = intra(q, k, gate, pair_mask(c, seg), dt, want_scores=True)
     o = _dot(scores, v, "nn", dt) + _dot(carried_queries(q, gate, seg), st, "nt", dt)
+    if gate.kind == "key":
+        o = o + diagonal_blocks(q, k, gate.b, seg, v=v)["out"]
     return o * scale
 
 
@@ -257,6 +280,9 @@ def backward(q, k, v, gate, seg, do_scaled, st, dst, dt):
     dk_state = _mask_rows(dk_state, None if seg is None else seg.in_last)
     dk = dk + dk_state
     dv = _dot(scores, do_scaled, "tn", dt) + _dot(k_tail, dst, "nt", dt)
+    if gate.kind == "key":
+        diag = diagonal_blocks(q, k, gate.b, seg, v=v, do_scaled=do_scaled)
+        dq, dk, dv = dq + diag["dq"], dk + diag["dk"], dv + diag["dv"]
     edge = (jnp.sum(k.astype(jnp.float32) * dk_state, axis=0, keepdims=True)
             + jnp.sum(carry_state(st, gate, seg) * dst, axis=0, keepdims=True))
     return dq, dk, dv, edge

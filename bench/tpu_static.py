@@ -1,0 +1,349 @@
+"""TPU speed without a TPU: libtpu's static cycle estimate of whole programs, side by side.
+
+For each (op, implementation, shape, generation, pass) a child process compiles the program for
+one core of the generation on abstract inputs (the deviceless compile of gla_tpu.testing) with
+`LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR`; libtpu then writes one
+`*_static_llo_profile.textproto` per HLO op with its `estimated_cycles`, from the compiler's own
+schedule and DMA latency model. The program's estimate is their sum. It is an estimate, never a
+timing: the same model for every program, so ratios on one shape and generation mean something.
+Each program compiles in its own process: the profiler aborts the process on kernels it cannot
+model (splash attention), and long grids cost minutes and gigabytes.
+
+Implementations: ours (mosaic_tpu, and our xla backend), JAX's Pallas TPU flash attention (its
+default blocks and a sweep for its best), splash attention, jax.nn.dot_product_attention("xla"),
+and deltanet-tpu's chunk_gla (the `tpu-bench` extra). deltanet-tpu picks interpret mode whenever
+jax.default_backend() is not "tpu", so the child makes it see "tpu" while tracing.
+
+    python -m bench.tpu_static --out DIR [--generations v5e,v6e] [--ops attention,gla]
+                               [--impls ...] [--passes fwd,fwd_bwd] [--jobs 2]
+
+writes DIR/tpu_static.json (one record per program), DIR/tpu_static.md and DIR/tpu_static.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+# Per generation: the core clock and the MXU flops per cycle, both from the published per-chip
+# figures: clock = peak bf16 FLOP/s / (MXUs x MXU width^2 x 2). A JAX device of v4 and v5p is a
+# megacore (two TensorCores), so its MXUs are those of both cores.
+GENERATIONS = {
+    # 2 TensorCores x 4 MXUs of 128x128, 275 TF/s (cloud.google.com/tpu/docs/v4)
+    "v4": {"peak_tflops": 275.0, "mxu_macs": 2 * 4 * 128 * 128, "hbm_gbps": 1200,
+           "source": "cloud.google.com/tpu/docs/v4"},
+    # 1 TensorCore x 4 MXUs of 128x128, 197 TF/s (cloud.google.com/tpu/docs/v5e)
+    "v5e": {"peak_tflops": 197.0, "mxu_macs": 4 * 128 * 128, "hbm_gbps": 819,
+            "source": "cloud.google.com/tpu/docs/v5e"},
+    # 2 TensorCores x 4 MXUs of 128x128, 459 TF/s (cloud.google.com/tpu/docs/v5p)
+    "v5p": {"peak_tflops": 459.0, "mxu_macs": 2 * 4 * 128 * 128, "hbm_gbps": 2765,
+            "source": "cloud.google.com/tpu/docs/v5p"},
+    # 1 TensorCore x 2 MXUs of 256x256, 918 TF/s (cloud.google.com/tpu/docs/v6e)
+    "v6e": {"peak_tflops": 918.0, "mxu_macs": 2 * 256 * 256, "hbm_gbps": 1638,
+            "source": "cloud.google.com/tpu/docs/v6e"},
+    # 2 TensorCores x 2 MXUs of 256x256 (assumed as v6e per core), 2307 TF/s bf16
+    # (cloud.google.com/tpu/docs/tpu7x)
+    "7x": {"peak_tflops": 2307.0, "mxu_macs": 2 * 2 * 256 * 256, "hbm_gbps": 7380,
+           "source": "cloud.google.com/tpu/docs/tpu7x"},
+}
+
+
+def clock_ghz(generation: str) -> float:
+    g = GENERATIONS[generation]
+    return g["peak_tflops"] * 1e12 / (2 * g["mxu_macs"]) / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    op: str  # "attention" or "gla"
+    impl: str
+    shape: tuple  # attention (B, H, T, D, causal); gla (B, T, H, K, V, gate, mode)
+    generation: str
+    passes: str  # "fwd" or "fwd_bwd"
+    options: tuple = ()  # (name, value) pairs, e.g. JAX flash block sizes
+
+    @property
+    def key(self) -> str:
+        opts = "".join(f"_{k}{v}" for k, v in self.options)
+        return f"{self.op}_{self.impl}{opts}_{'x'.join(map(str, self.shape))}_{self.generation}_{self.passes}"
+
+
+# Shapes of the comparison (bf16).
+ATTENTION_SHAPES = [(1, 8, 4096, d, causal) for d in (64, 128, 256) for causal in (True, False)]
+ATTENTION_SHAPES.append((4, 16, 2048, 128, True))
+GLA_SHAPES = [(1, 4096, 8, 128, 128), (2, 2048, 4, 256, 512), (4, 2048, 16, 64, 64)]
+GLA_MODES = ("chunk", "fused_chunk", "fused_recurrent")
+DECODE_SHAPE = (64, 1, 16, 128, 128)
+CROSSOVER_T = (1024, 2048, 4096, 8192)
+# JAX flash attention block sizes tried for its best (block_q = block_k_major = block_k).
+JAX_FLASH_BLOCKS = (128, 256, 512, 1024)
+
+
+def _flops(spec: Spec) -> float:
+    from gla_tpu.ops.common.flops import attention_flops, gla_flops
+
+    backward = spec.passes == "fwd_bwd"
+    if spec.op == "attention":
+        b, h, t, d, causal = spec.shape
+        return attention_flops(b, t, t, h, d, causal=causal, backward=backward)
+    b, t, h, kd, vd = spec.shape[:5]
+    return gla_flops(b, t, h, kd, vd, backward=backward)
+
+
+# The child: build one program and compile it.
+
+
+def _attention_program(spec: Spec):
+    import jax
+    import jax.numpy as jnp
+
+    from gla_tpu import ops
+
+    b, h, t, d, causal = spec.shape
+    opts = dict(spec.options)
+    bf16 = jnp.bfloat16
+    bthd = jax.ShapeDtypeStruct((b, t, h, d), bf16)
+    bhtd = jax.ShapeDtypeStruct((b, h, t, d), bf16)
+    scale = d ** -0.5
+    if spec.impl == "gla_tpu":
+        fn, args = (lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
+                                                        backend="mosaic_tpu")), (bthd,) * 3
+    elif spec.impl == "gla_tpu_xla":
+        fn, args = (lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
+                                                        backend="xla")), (bthd,) * 3
+    elif spec.impl == "xla_dot_product_attention":
+        fn, args = (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla")), (bthd,) * 3
+    elif spec.impl == "jax_flash":
+        from jax.experimental.pallas.ops.tpu import flash_attention as jf
+
+        sizes = None
+        if "block" in opts:
+            blk = min(opts["block"], t)
+            sizes = jf.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1,
+                                  block_q_major_dkv=blk, block_k_major_dkv=blk, block_k_dkv=blk,
+                                  block_q_dkv=blk, block_k_major_dq=blk, block_k_dq=blk,
+                                  block_q_dq=blk)
+        fn = lambda q, k, v: jf.flash_attention(q, k, v, causal=causal, sm_scale=scale,  # noqa
+                                                block_sizes=sizes)
+        args = (bhtd,) * 3
+    elif spec.impl == "splash":
+        from jax.experimental.pallas.ops.tpu.splash_attention import (
+            splash_attention_kernel as sk,
+        )
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+        mask = sm.CausalMask((t, t)) if causal else sm.FullMask((t, t))
+        kernel = sk.make_splash_mha(mask=sm.MultiHeadMask([mask] * h), head_shards=1,
+                                    q_seq_shards=1)
+        fn = lambda q, k, v: jax.vmap(kernel)(q * scale, k, v)  # noqa: E731
+        args = (bhtd,) * 3
+    else:
+        raise ValueError(f"unknown attention impl {spec.impl!r}")
+    return fn, args
+
+
+def _gla_program(spec: Spec):
+    import jax
+    import jax.numpy as jnp
+
+    from gla_tpu import ops
+
+    b, t, h, kd, vd, gate, mode = spec.shape
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    q = jax.ShapeDtypeStruct((b, t, h, kd), bf16)
+    v = jax.ShapeDtypeStruct((b, t, h, vd), bf16)
+    g = jax.ShapeDtypeStruct((b, t, h, kd) if gate == "key" else (b, t, h), f32)
+    if spec.impl in ("gla_tpu", "gla_tpu_xla"):
+        backend = "mosaic_tpu" if spec.impl == "gla_tpu" else "xla"
+        fn = lambda q, k, v, g: ops.gla(q, k, v, g, mode=mode, backend=backend)[0]  # noqa
+    elif spec.impl == "deltanet_tpu":
+        import deltanet_tpu
+
+        precision = dict(spec.options).get("precision", "bf16")
+        fn = lambda q, k, v, g: deltanet_tpu.chunk_gla(q, k, v, g, chunk_size=128,  # noqa
+                                                       precision=precision)
+    else:
+        raise ValueError(f"unknown gla impl {spec.impl!r}")
+    return fn, (q, q, v, g)
+
+
+def _child(spec: Spec) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from gla_tpu.testing.tpu_compile import compile_for_tpu
+
+    # deltanet-tpu runs in interpret mode unless the default backend is "tpu" while tracing.
+    jax.default_backend = lambda: "tpu"
+    fn, args = (_attention_program if spec.op == "attention" else _gla_program)(spec)
+    if spec.passes == "fwd_bwd":
+        forward = fn
+
+        # The loss squares the output, so its cotangent depends on the output's value: with a
+        # plain sum, XLA drops forward kernels whose outputs the backward does not read.
+        def fn(*xs):
+            return jax.grad(lambda *ys: jnp.sum(forward(*ys).astype(jnp.float32) ** 2),
+                            argnums=tuple(range(len(xs))))(*xs)
+    compile_for_tpu(fn, *args, generation=spec.generation)
+
+
+# The parent: one child per program, estimates parsed from the dumped profiles.
+
+_CYCLES = re.compile(r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)')
+
+
+def profile(spec: Spec, timeout: int = 900) -> dict:
+    """Compiles `spec` in a child process and returns its record (cycles, per-op breakdown, or
+    the error)."""
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+                   LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={dump}")
+        cmd = [sys.executable, "-m", "bench.tpu_static", "--child",
+               json.dumps(dataclasses.asdict(spec))]
+        try:
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                                 cwd=pathlib.Path(__file__).resolve().parents[1])
+            error = None if run.returncode == 0 else _last_error(run.stderr)
+        except subprocess.TimeoutExpired:
+            error = f"timeout after {timeout} s"
+        ops_cycles = {}
+        for path in pathlib.Path(dump).glob("*_static_llo_profile.textproto"):
+            for name, cycles in _CYCLES.findall(path.read_text()):
+                ops_cycles[name] = ops_cycles.get(name, 0) + int(cycles)
+    record = dataclasses.asdict(spec)
+    record.update(key=spec.key, dtype="bfloat16", error=error)
+    if error is None and ops_cycles:
+        cycles = sum(ops_cycles.values())
+        gen = GENERATIONS[spec.generation]
+        micros = cycles / (clock_ghz(spec.generation) * 1e3)
+        flops = _flops(spec)
+        record.update(cycles=cycles, estimated_us=micros,
+                      mxu_utilization=flops / (cycles * 2 * gen["mxu_macs"]),
+                      clock_ghz=clock_ghz(spec.generation), useful_flops=flops,
+                      ops=dict(sorted(ops_cycles.items(), key=lambda kv: -kv[1])))
+    elif error is None:
+        record["error"] = "no static profile written"
+    return record
+
+
+def _last_error(stderr: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    interesting = [ln for ln in lines if "Error" in ln or "error" in ln or "Check failed" in ln]
+    return (interesting or lines or ["failed"])[-1][:400]
+
+
+def specs_for(ops_: list[str], impls: list[str] | None, generations: list[str],
+              passes: list[str]) -> list[Spec]:
+    out = []
+    for gen in generations:
+        for p in passes:
+            if "attention" in ops_:
+                for shape in ATTENTION_SHAPES:
+                    for impl in ("gla_tpu", "jax_flash", "splash", "xla_dot_product_attention",
+                                 "gla_tpu_xla"):
+                        out.append(Spec("attention", impl, shape, gen, p))
+                    for blk in JAX_FLASH_BLOCKS:
+                        out.append(Spec("attention", "jax_flash", shape, gen, p,
+                                        (("block", blk),)))
+            if "gla" in ops_:
+                for shape in GLA_SHAPES:
+                    for gate in ("key", "head"):
+                        for mode in GLA_MODES:
+                            out.append(Spec("gla", "gla_tpu", (*shape, gate, mode), gen, p))
+                        out.append(Spec("gla", "gla_tpu_xla", (*shape, gate, "chunk"), gen, p))
+                        if shape[3] <= 128 and shape[4] <= 128:
+                            out.append(Spec("gla", "deltanet_tpu", (*shape, gate, "chunk"), gen,
+                                            p))
+    if impls:
+        out = [s for s in out if s.impl in impls]
+    return out
+
+
+def crossover_specs(generations: list[str]) -> list[Spec]:
+    """Our GLA chunk (per-key gates, K = V = 128) against our causal flash attention (D = 128),
+    forward+backward, B1 H8, over T."""
+    out = []
+    for gen in generations:
+        for t in CROSSOVER_T:
+            out.append(Spec("attention", "gla_tpu", (1, 8, t, 128, True), gen, "fwd_bwd"))
+            out.append(Spec("gla", "gla_tpu", (1, t, 8, 128, 128, "key", "chunk"), gen,
+                            "fwd_bwd"))
+    return out
+
+
+def write_table(records: list[dict], path: pathlib.Path) -> None:
+    """Markdown: one row per (op, shape, generation, pass), ours and the peers in columns."""
+    groups: dict = {}
+    for r in records:
+        label = r["impl"] + "".join(f" {k}={v}" for k, v in r["options"])
+        key = (r["op"], tuple(r["shape"]), r["generation"], r["passes"])
+        groups.setdefault(key, {})[label] = r
+    lines = ["| op | shape | gen | pass | impl | cycles | est. us | MXU util | / ours |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (op, shape, gen, p), by_impl in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        ours = by_impl.get("gla_tpu", {}).get("cycles")
+        for label, r in sorted(by_impl.items()):
+            if r.get("cycles") is None:
+                lines.append(f"| {op} | {shape} | {gen} | {p} | {label} | - | - | - | "
+                             f"{r['error']} |")
+                continue
+            ratio = f"{r['cycles'] / ours:.2f}" if ours else "-"
+            lines.append(f"| {op} | {shape} | {gen} | {p} | {label} | {r['cycles']:,} | "
+                         f"{r['estimated_us']:.1f} | {r['mxu_utilization']:.1%} | {ratio} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--generations", default="v5e,v6e")
+    parser.add_argument("--ops", default="attention,gla")
+    parser.add_argument("--impls", default="")
+    parser.add_argument("--passes", default="fwd,fwd_bwd")
+    parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=900)
+    args = parser.parse_args(argv)
+    if args.child:
+        raw = json.loads(args.child)
+        raw["shape"] = tuple(raw["shape"])
+        raw["options"] = tuple(tuple(o) for o in raw["options"])
+        _child(Spec(**raw))
+        return
+    gens = args.generations.split(",")
+    specs = (crossover_specs(gens) if args.crossover else
+             specs_for(args.ops.split(","), [i for i in args.impls.split(",") if i], gens,
+                       args.passes.split(",")))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "tpu_static_crossover" if args.crossover else "tpu_static"
+    records = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for record in pool.map(lambda s: profile(s, args.timeout), specs):
+            records.append(record)
+            cyc = record.get("cycles")
+            print(f"{record['key']}: {cyc if cyc is not None else record['error']}", flush=True)
+    env = {"date": datetime.date.today().isoformat(), "python": sys.version.split()[0]}
+    try:
+        from importlib.metadata import version
+        env.update({p: version(p) for p in ("jax", "jaxlib", "libtpu")})
+        env["deltanet-tpu"] = version("deltanet-tpu")
+    except Exception as e:  # noqa: BLE001 - a missing optional package is only recorded
+        env["versions_note"] = repr(e)
+    (out / f"{name}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
+    write_table(records, out / f"{name}.md")
+
+
+if __name__ == "__main__":
+    main()
