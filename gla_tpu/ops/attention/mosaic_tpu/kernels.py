@@ -33,12 +33,49 @@ def _block_has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: i
 
 
 def _run_where_visible(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int, compute):
-    """Runs `compute` for this (q block, kv block) step, or, when causal, only where the q block
-    sees a key of the kv block."""
-    if cfg.causal:
-        pl.when(_block_has_visible_key(cfg, q_block, kv_block, bq, bkv))(compute)
+    """Runs `compute(masked)` for this (q block, kv block) step: where causal, only if the q block
+    sees a key of the kv block; with masked=False where every query of the block sees every key of
+    the kv block (no mask arithmetic), masked=True elsewhere."""
+    needs_mask = _block_needs_mask(cfg, q_block, kv_block, bq, bkv)
+    if needs_mask is None:
+        run = lambda: compute(False)  # noqa: E731
+    elif needs_mask is True:
+        run = lambda: compute(True)  # noqa: E731
     else:
-        compute()
+        def run():
+            pl.when(needs_mask)(lambda: compute(True))
+            pl.when(jnp.logical_not(needs_mask))(lambda: compute(False))
+    if cfg.causal:
+        pl.when(_block_has_visible_key(cfg, q_block, kv_block, bq, bkv))(run)
+    else:
+        run()
+
+
+def _block_needs_mask(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
+    """Whether a (q block, kv block) step needs the visibility mask: None (never), True (always:
+    segment ids), or a traced bool (causal: the block crosses the diagonal; padded keys: the kv
+    block holds padding)."""
+    if cfg.has_segments:
+        return True
+    conditions = []
+    if cfg.causal:
+        # some query of the block does not see the block's last key
+        conditions.append((kv_block + 1) * bkv - 1 > q_block * bq + cfg.offset)
+    if cfg.kv_padded:
+        conditions.append((kv_block + 1) * bkv > cfg.kv_len)
+    if not conditions:
+        return None
+    needs = conditions[0]
+    for c in conditions[1:]:
+        needs = jnp.logical_or(needs, c)
+    return needs
+
+
+def _lanes_to(x, width: int):
+    """A [rows, 128] array with equal lanes, as [rows, width]: tiled (free) or sliced."""
+    if width >= LANES:
+        return jnp.tile(x, (1, width // LANES))
+    return x[:, :width]
 
 
 def _last_kv_block(cfg: KernelConfig, q_block, bq: int, bkv: int):
@@ -58,9 +95,7 @@ def _first_q_block(cfg: KernelConfig, kv_block, bq: int, bkv: int):
 
 
 def _visibility(cfg: KernelConfig, q_pos, k_pos, q_seg, kv_seg):
-    """Bool mask of the block (shape of q_pos/k_pos broadcast), or None when all is visible."""
-    if not (cfg.causal or cfg.has_segments or cfg.kv_padded):
-        return None
+    """Bool mask of the block (shape of q_pos/k_pos broadcast)."""
     mask = attention_visibility(
         q_pos, k_pos, causal=cfg.causal, offset=cfg.offset, q_seg=q_seg, kv_seg=kv_seg
     )
@@ -102,7 +137,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    def compute():
+    def compute(masked: bool):
         q = q_ref[...]  # [bq, D]
         q_seg = _column(q_seg_ref) if cfg.has_segments else None  # [bq, 1]
         for c in range(bkv // bkc):
@@ -111,22 +146,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
             v = v_ref[cols, :]  # [bkc, D]
             s = product(q, k, "nt")
             s = s * cfg.sm_scale  # [bq, bkc]
-            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            k_pos = j * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            kv_seg = kv_seg_ref[:, cols] if cfg.has_segments else None  # [1, bkc]
-            mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
-            if mask is not None:
-                s = jnp.where(mask, s, -jnp.inf)
+            if masked:
+                q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+                k_pos = j * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+                kv_seg = kv_seg_ref[:, cols] if cfg.has_segments else None  # [1, bkc]
+                s = jnp.where(_visibility(cfg, q_pos, k_pos, q_seg, kv_seg), s, -jnp.inf)
             m_prev = m_sc[...]  # [bq, 128], lanes equal
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            # A row with no visible key so far keeps m = -inf; shift it by 0 so that
-            # exp(-inf - shift) = 0 and no inf - inf appears.
-            shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # [bq, 128]
+            shift = m_next
+            if masked:
+                # A row with no visible key so far keeps m = -inf; shift it by 0 so that
+                # exp(-inf - shift) = 0 and no inf - inf appears. (In an unmasked block every
+                # row sees a key, so m is finite.)
+                shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # [bq, 128]
             alpha = jnp.exp(m_prev - shift)  # [bq, 128]
-            p = jnp.exp(s - shift[:, :1])  # [bq, bkc]
+            p = jnp.exp(s - _lanes_to(shift, bkc))  # [bq, bkc]
             l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
             pv = product(p.astype(v.dtype), v)  # [bq, D]
-            acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
+            acc_sc[...] = _lanes_to(alpha, cfg.head_dim) * acc_sc[...] + pv
             m_sc[...] = m_next
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
@@ -136,9 +173,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
         l = l_sc[...]  # [bq, 128]
         seen = l > 0.0
         inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        o_ref[...] = (acc_sc[...] * inv_l[:, :1]).astype(o_ref.dtype)
+        o_ref[...] = (acc_sc[...] * _lanes_to(inv_l, cfg.head_dim)).astype(o_ref.dtype)
         # A row that sees no key gets lse = +inf, so exp(s - lse) = 0 in the backward.
-        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        lse = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        # [bq, 128] with equal lanes -> the [1, bq] row the backward reads (one transpose per q
+        # block; an lse stored replicated over 128 lanes would cost 128x its bytes in HBM).
+        lse_ref[...] = jnp.transpose(lse)[:1, :]
 
 
 def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
@@ -170,7 +210,7 @@ def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
 
 
 def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
-    """Returns o [B, H, Tp, D] in q's dtype and lse [B, H, Tp] float32."""
+    """Returns o [B, H, Tp, D] in q's dtype and lse [B, H, 1, Tp] float32 rows."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q, cfg.block_kv
     grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
@@ -186,11 +226,11 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
         args += [q_seg, kv_seg]
     out_shape = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((b, h, tp, LANES), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32),
     ]
     out_specs = [
         pl.BlockSpec((None, None, bq, d), q_map),
-        pl.BlockSpec((None, None, bq, LANES), q_map),
+        pl.BlockSpec((None, None, 1, bq), lambda bi, hi, i, j: (bi, hi, 0, i)),
     ]
     scratch = [
         pltpu.VMEM((bq, LANES), jnp.float32),  # m
@@ -214,7 +254,7 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
             interpret=cfg.interpret,
             name=name,
         )(*args)
-    return o, lse[..., 0]
+    return o, lse
 
 
 # Backward: dq.
@@ -232,18 +272,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    def compute():
+    def compute(masked: bool):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         s = product(q, k, "nt")
         s = s * cfg.sm_scale  # [bq, bkv]
         p = jnp.exp(s - _column(lse_ref))  # [bq, bkv]
-        q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-        k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        q_seg = _column(q_seg_ref) if cfg.has_segments else None  # [bq, 1]
-        kv_seg = kv_seg_ref[...] if cfg.has_segments else None  # [1, bkv]
-        mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
+        if masked:
+            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            q_seg = _column(q_seg_ref) if cfg.has_segments else None  # [bq, 1]
+            kv_seg = kv_seg_ref[...] if cfg.has_segments else None  # [1, bkv]
+            p = jnp.where(_visibility(cfg, q_pos, k_pos, q_seg, kv_seg), p, 0.0)
         dp = product(do, v, "nt")  # [bq, bkv]
         ds = p * (dp - _column(di_ref))
         dq_sc[...] += product(ds.astype(k.dtype), k)  # [bq, D]
@@ -319,18 +358,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    def compute():
+    def compute(masked: bool):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         s_t = product(k, q, "nt")
         s_t = s_t * cfg.sm_scale  # [bkv, bq]
         p_t = jnp.exp(s_t - lse_ref[...])  # [bkv, bq]; lse row [1, bq]
-        k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
-        q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s_t.shape, 1)
-        q_seg = q_seg_ref[...] if cfg.has_segments else None  # [1, bq]
-        kv_seg = _column(kv_seg_ref) if cfg.has_segments else None  # [bkv, 1]
-        mask = _visibility(cfg, q_pos, k_pos, q_seg, kv_seg)
-        if mask is not None:
-            p_t = jnp.where(mask, p_t, 0.0)
+        if masked:
+            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
+            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s_t.shape, 1)
+            q_seg = q_seg_ref[...] if cfg.has_segments else None  # [1, bq]
+            kv_seg = _column(kv_seg_ref) if cfg.has_segments else None  # [bkv, 1]
+            p_t = jnp.where(_visibility(cfg, q_pos, k_pos, q_seg, kv_seg), p_t, 0.0)
         dv_sc[...] += product(p_t.astype(do.dtype), do)  # [bkv, D]
         dp_t = product(v, do, "nt")
         ds_t = p_t * (dp_t - di_ref[...])  # [bkv, bq]

@@ -167,7 +167,7 @@ def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, i
     seg = 2 * (rows(bq) + rows(bkv)) if segments else 0
     if kind == "fwd":
         bkc = block_kv_compute or bkv
-        io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + bq * LANES * 4)
+        io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + rows(bq))
         scratch = 2 * bq * LANES * 4 + bq * d * 4
         temps = bq * bkc * (2 * 4 + itemsize)
     elif kind == "dq":

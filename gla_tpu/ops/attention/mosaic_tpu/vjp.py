@@ -32,10 +32,9 @@ def _attention_bwd(cfg, residuals, do):
     q, k, v, q_seg, kv_seg, o, lse = residuals
     with jax.named_scope("flash_bwd_di"):
         di = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, H, Tp]
-    lse_rows = lse[:, :, None, :]  # [B, H, 1, Tp]
-    di_rows = di[:, :, None, :]
-    dq = flash_dq(cfg, q, k, v, do, lse_rows, di_rows, q_seg, kv_seg)
-    dk, dv = flash_dkv(cfg, q, k, v, do, lse_rows, di_rows, q_seg, kv_seg)
+    di_rows = di[:, :, None, :]  # [B, H, 1, Tp], as lse
+    dq = flash_dq(cfg, q, k, v, do, lse, di_rows, q_seg, kv_seg)
+    dk, dv = flash_dkv(cfg, q, k, v, do, lse, di_rows, q_seg, kv_seg)
     # Segment ids are integers: no cotangent.
     return dq, dk, dv, None, None
 
