@@ -74,7 +74,8 @@ class Spec:
     @property
     def key(self) -> str:
         opts = "".join(f"_{k}{v}" for k, v in self.options)
-        return f"{self.op}_{self.impl}{opts}_{'x'.join(map(str, self.shape))}_{self.generation}_{self.passes}"
+        shape = "x".join(map(str, self.shape))
+        return f"{self.op}_{self.impl}{opts}_{shape}_{self.generation}_{self.passes}"
 
 
 # Shapes of the comparison (bf16).
@@ -204,6 +205,19 @@ def _gla_program(spec: Spec):
         precision = dict(spec.options).get("precision", "bf16")
         fn = lambda q, k, v, g: deltanet_tpu.chunk_gla(q, k, v, g, chunk_size=128,  # noqa
                                                        precision=precision)
+    elif spec.impl == "deltanet_tpu_gdn2":
+        # Calibration only: deltanet-tpu's published GDN-2 shape, float32 inputs (its README's
+        # v6e timings: B1, T8192, 12 key / 24 value heads, K = V = 128).
+        import deltanet_tpu
+
+        hv = dict(spec.options)["value_heads"]
+        q = jax.ShapeDtypeStruct((b, t, h, kd), f32)
+        v = jax.ShapeDtypeStruct((b, t, hv, vd), f32)
+        g = jax.ShapeDtypeStruct((b, t, hv), f32)
+        beta = jax.ShapeDtypeStruct((b, t, hv), f32)
+        fn = lambda q, k, v, g, beta_, w: deltanet_tpu.chunk_gdn2(  # noqa: E731
+            q, k, v, g, beta_, w, chunk_size=128, precision="bf16")
+        return fn, (q, q, v, g, beta, beta)
     else:
         raise ValueError(f"unknown gla impl {spec.impl!r}")
     return fn, (q, q, v, g)
@@ -338,6 +352,17 @@ def specs_for(ops_: list[str], impls: list[str] | None, generations: list[str],
     return out
 
 
+def calibration_specs() -> list[Spec]:
+    """Programs with published TPU timings: deltanet-tpu's chunk_gdn2 at its README's v6e shape,
+    and JAX's flash attention at (1, 5, 16384, 128) (forward, causal) on v5e and v6e."""
+    gdn2 = (1, 8192, 12, 128, 128, "head", "chunk")
+    return [Spec("gla", "deltanet_tpu_gdn2", gdn2, "v6e", p, (("value_heads", 24),))
+            for p in ("fwd", "fwd_bwd")] + [
+        Spec("attention", impl, (1, 5, 16384, 128, True), gen, "fwd", opts)
+        for gen in ("v5e", "v6e")
+        for impl, opts in (("jax_flash", ()), ("jax_flash", (("block", 512),)), ("gla_tpu", ()))]
+
+
 def crossover_specs(generations: list[str]) -> list[Spec]:
     """Our GLA chunk (per-key gates, K = V = 128) against our causal flash attention (D = 128),
     forward+backward, B1 H8, over T."""
@@ -372,6 +397,39 @@ def write_table(records: list[dict], path: pathlib.Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_plot(records: list[dict], path: pathlib.Path) -> None:
+    """Bars of each implementation's estimated cycles relative to ours, one group per program
+    (shape, generation, pass); lower is faster. Skipped without matplotlib (the bench extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    groups: dict = {}
+    for r in records:
+        if r.get("cycles") is None:
+            continue
+        label = r["impl"] + "".join(f" {k}={v}" for k, v in r["options"])
+        key = f"{r['op']} {'x'.join(map(str, r['shape']))} {r['generation']} {r['passes']}"
+        groups.setdefault(key, {})[label] = r["cycles"]
+    groups = {k: v for k, v in groups.items() if "gla_tpu" in v}
+    impls = sorted({label for v in groups.values() for label in v})
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(groups) * max(1, len(impls) / 3) + 1))
+    height = 0.8 / max(len(impls), 1)
+    for n, impl in enumerate(impls):
+        ys = [i + n * height for i in range(len(groups))]
+        xs = [v.get(impl, 0) / v["gla_tpu"] for v in groups.values()]
+        ax.barh(ys, xs, height=height, label=impl)
+    ax.set_yticks([i + 0.4 for i in range(len(groups))])
+    ax.set_yticklabels(list(groups), fontsize=6)
+    ax.axvline(1.0, color="k", lw=0.5)
+    ax.set_xlabel("estimated cycles / ours (libtpu static profile; lower is faster)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -381,6 +439,7 @@ def main(argv=None) -> None:
     parser.add_argument("--impls", default="")
     parser.add_argument("--passes", default="fwd,fwd_bwd")
     parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--calibration", action="store_true")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
     args = parser.parse_args(argv)
@@ -391,12 +450,16 @@ def main(argv=None) -> None:
         _child(Spec(**raw))
         return
     gens = args.generations.split(",")
-    specs = (crossover_specs(gens) if args.crossover else
-             specs_for(args.ops.split(","), [i for i in args.impls.split(",") if i], gens,
-                       args.passes.split(",")))
+    if args.crossover:
+        specs, name = crossover_specs(gens), "tpu_static_crossover"
+    elif args.calibration:
+        specs, name = calibration_specs(), "tpu_static_calibration"
+    else:
+        specs = specs_for(args.ops.split(","), [i for i in args.impls.split(",") if i], gens,
+                          args.passes.split(","))
+        name = "tpu_static"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "tpu_static_crossover" if args.crossover else "tpu_static"
     records = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for record in pool.map(lambda s: profile(s, args.timeout), specs):
@@ -412,6 +475,7 @@ def main(argv=None) -> None:
         env["versions_note"] = repr(e)
     (out / f"{name}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
     write_table(records, out / f"{name}.md")
+    write_plot(records, out / f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""A regression guard on TPU speed without a TPU: libtpu's static cycle estimate of one attention
+and one GLA program (bench/tpu_static.py) must not grow by more than 10% over the values recorded
+in docs/results/tpu_static_guard.json. libtpu is pinned, so the estimate is deterministic; when a
+change makes a program cheaper, record the new value there."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gla_tpu.testing.tpu_compile import libtpu_available
+
+pytestmark = [
+    pytest.mark.tpu_compile,
+    pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (pip install .[test])"),
+]
+
+RECORDED = json.loads(
+    (Path(__file__).parents[2] / "docs" / "results" / "tpu_static_guard.json").read_text())
+GROWTH_ALLOWED = 1.10
+
+
+@pytest.mark.parametrize("recorded", RECORDED["records"],
+                         ids=lambda r: f"{r['op']}-{r['generation']}")
+def test_static_cycle_estimate_does_not_grow(recorded):
+    from bench.tpu_static import Spec, profile
+
+    spec = Spec(recorded["op"], recorded["impl"], tuple(recorded["shape"]), recorded["generation"],
+                recorded["passes"])
+    record = profile(spec, timeout=300)
+    assert record["error"] is None, record["error"]
+    assert record["cycles"] <= GROWTH_ALLOWED * recorded["cycles"], (
+        f"{spec.key}: {record['cycles']:,} cycles, recorded {recorded['cycles']:,} "
+        f"(+{record['cycles'] / recorded['cycles'] - 1:.1%}); per op: {record['ops']}")
