@@ -17,7 +17,8 @@ jax.default_backend() is not "tpu", so the child makes it see "tpu" while tracin
     python -m bench.tpu_static --out DIR [--generations v5e,v6e] [--ops attention,gla]
                                [--impls ...] [--passes fwd,fwd_bwd] [--jobs 2]
 
-writes DIR/tpu_static.json (one record per program), DIR/tpu_static.md and DIR/tpu_static.png.
+writes DIR/tpu_static.json (one record per program), DIR/tpu_static.md and DIR/tpu_static.png;
+records go to DIR/tpu_static.partial.jsonl as they come, and a rerun skips those already there.
 """
 
 from __future__ import annotations
@@ -34,26 +35,30 @@ import subprocess
 import sys
 import tempfile
 
-# Per generation: the core clock and the MXU flops per cycle, both from the published per-chip
-# figures: clock = peak bf16 FLOP/s / (MXUs x MXU width^2 x 2). A JAX device of v4 and v5p is a
-# megacore (two TensorCores), so its MXUs are those of both cores.
+# Per generation: the core clock and the MXU flops per cycle of one JAX device. Clock = peak bf16
+# FLOP/s per device / (MXUs x MXU width^2 x 2). A JAX device of v4 and v5p is a megacore (both
+# TensorCores of a chip); one of 7x is one TensorCore (a 7x chip is two devices). The MXU counts
+# are checked against the compiler itself: libtpu's estimate of a 4096^3 bfloat16 XLA matmul comes
+# to 97% (v5e, v5p) and 93% (v6e, 7x) of these flops per cycle (with the 2 MXUs per core sometimes
+# quoted for v6e it would be 187%). libtpu 0.0.48 has no static DMA model for v4 ("only supported
+# on VF/VL/GF/GL"), so v4 cannot be profiled; the compile tests still cover it.
 GENERATIONS = {
-    # 2 TensorCores x 4 MXUs of 128x128, 275 TF/s (cloud.google.com/tpu/docs/v4)
+    # 2 TensorCores x 4 MXUs of 128x128, 275 TF/s -> 1.05 GHz (cloud.google.com/tpu/docs/v4)
     "v4": {"peak_tflops": 275.0, "mxu_macs": 2 * 4 * 128 * 128, "hbm_gbps": 1200,
-           "source": "cloud.google.com/tpu/docs/v4"},
-    # 1 TensorCore x 4 MXUs of 128x128, 197 TF/s (cloud.google.com/tpu/docs/v5e)
+           "source": "cloud.google.com/tpu/docs/v4", "profiled": False},
+    # 1 TensorCore x 4 MXUs of 128x128, 197 TF/s -> 1.50 GHz (cloud.google.com/tpu/docs/v5e)
     "v5e": {"peak_tflops": 197.0, "mxu_macs": 4 * 128 * 128, "hbm_gbps": 819,
-            "source": "cloud.google.com/tpu/docs/v5e"},
-    # 2 TensorCores x 4 MXUs of 128x128, 459 TF/s (cloud.google.com/tpu/docs/v5p)
+            "source": "cloud.google.com/tpu/docs/v5e", "profiled": True},
+    # 2 TensorCores x 4 MXUs of 128x128, 459 TF/s -> 1.75 GHz (cloud.google.com/tpu/docs/v5p)
     "v5p": {"peak_tflops": 459.0, "mxu_macs": 2 * 4 * 128 * 128, "hbm_gbps": 2765,
-            "source": "cloud.google.com/tpu/docs/v5p"},
-    # 1 TensorCore x 2 MXUs of 256x256, 918 TF/s (cloud.google.com/tpu/docs/v6e)
-    "v6e": {"peak_tflops": 918.0, "mxu_macs": 2 * 256 * 256, "hbm_gbps": 1638,
-            "source": "cloud.google.com/tpu/docs/v6e"},
-    # 2 TensorCores x 2 MXUs of 256x256 (assumed as v6e per core), 2307 TF/s bf16
-    # (cloud.google.com/tpu/docs/tpu7x)
-    "7x": {"peak_tflops": 2307.0, "mxu_macs": 2 * 2 * 256 * 256, "hbm_gbps": 7380,
-           "source": "cloud.google.com/tpu/docs/tpu7x"},
+            "source": "cloud.google.com/tpu/docs/v5p", "profiled": True},
+    # 1 TensorCore x 4 MXUs of 256x256, 918 TF/s -> 1.75 GHz (cloud.google.com/tpu/docs/v6e)
+    "v6e": {"peak_tflops": 918.0, "mxu_macs": 4 * 256 * 256, "hbm_gbps": 1638,
+            "source": "cloud.google.com/tpu/docs/v6e", "profiled": True},
+    # per device (one of the chip's 2 TensorCores): 4 MXUs of 256x256 (as v6e's core, matching
+    # the compiler's matmul estimate), 2307 / 2 TF/s -> 2.20 GHz (cloud.google.com/tpu/docs/tpu7x)
+    "7x": {"peak_tflops": 2307.0 / 2, "mxu_macs": 4 * 256 * 256, "hbm_gbps": 7380 / 2,
+           "source": "cloud.google.com/tpu/docs/tpu7x", "profiled": True},
 }
 
 
@@ -85,8 +90,11 @@ GLA_SHAPES = [(1, 4096, 8, 128, 128), (2, 2048, 4, 256, 512), (4, 2048, 16, 64, 
 GLA_MODES = ("chunk", "fused_chunk", "fused_recurrent")
 DECODE_SHAPE = (64, 1, 16, 128, 128)
 CROSSOVER_T = (1024, 2048, 4096, 8192)
-# JAX flash attention block sizes tried for its best (block_q = block_k_major = block_k).
-JAX_FLASH_BLOCKS = (128, 256, 512, 1024)
+# JAX flash attention block sizes tried for its best (block_q = block_k_major = block_k); its
+# defaults are 128 everywhere (BlockSizes.get_default), so the default run is the 128 one.
+JAX_FLASH_BLOCKS = (256, 512, 1024)
+# Blocks of "jax_flash_bthd": JAX's kernel called from our [B, T, H, D] layout.
+JAX_FLASH_BTHD_BLOCKS = (512, 1024)
 
 
 def _flops(spec: Spec) -> float:
@@ -116,15 +124,16 @@ def _attention_program(spec: Spec):
     bhtd = jax.ShapeDtypeStruct((b, h, t, d), bf16)
     scale = d ** -0.5
     if spec.impl == "gla_tpu":
-        fn, args = (lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
-                                                        backend="mosaic_tpu")), (bthd,) * 3
+        sizes = _our_attention_blocks(opts)
+        fn, args = (lambda q, k, v: ops.flash_attention(
+            q, k, v, causal=causal, backend="mosaic_tpu", block_sizes=sizes)), (bthd,) * 3
     elif spec.impl == "gla_tpu_xla":
         fn, args = (lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
                                                         backend="xla")), (bthd,) * 3
     elif spec.impl == "xla_dot_product_attention":
         fn, args = (lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="xla")), (bthd,) * 3
-    elif spec.impl == "jax_flash":
+    elif spec.impl in ("jax_flash", "jax_flash_bthd"):
         from jax.experimental.pallas.ops.tpu import flash_attention as jf
 
         sizes = None
@@ -137,6 +146,12 @@ def _attention_program(spec: Spec):
         fn = lambda q, k, v: jf.flash_attention(q, k, v, causal=causal, sm_scale=scale,  # noqa
                                                 block_sizes=sizes)
         args = (bhtd,) * 3
+        if spec.impl == "jax_flash_bthd":
+            # From and back to [B, T, H, D], the layout of our API and of dot_product_attention.
+            head_major = fn
+            fn = lambda q, k, v: jnp.swapaxes(head_major(  # noqa: E731
+                *(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2)
+            args = (bthd,) * 3
     elif spec.impl == "splash":
         from jax.experimental.pallas.ops.tpu.splash_attention import (
             splash_attention_kernel as sk,
@@ -153,6 +168,13 @@ def _attention_program(spec: Spec):
     return fn, args
 
 
+def _our_attention_blocks(opts: dict):
+    """Our BlockSizes from a spec's ("blocks", [[field, value], ...]) option; None = defaults."""
+    from gla_tpu.ops.attention.mosaic_tpu.plan import BlockSizes
+
+    return BlockSizes(**dict(opts["blocks"])) if "blocks" in opts else None
+
+
 def _attention_backward_program(spec: Spec):
     """Our attention's backward alone, from abstract residuals in the kernels' head-major layout:
     di and the dq and dk/dv kernels. libtpu's profiler aborts on our kernels where XLA places
@@ -167,7 +189,7 @@ def _attention_backward_program(spec: Spec):
     b, h, t, d, causal = spec.shape
     x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
-    cfg = plan.kernel_config(problem, None, False)
+    cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options)), False)
     tp = cfg.q_len_padded
     head_major = jax.ShapeDtypeStruct((b, h, tp, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)
@@ -270,10 +292,27 @@ def profile(spec: Spec, timeout: int = 900) -> dict:
     return _profile_one(spec, timeout)
 
 
+# HLO ops XLA itself emits (names are the opcode plus a suffix); every other profiled op of a
+# program is a Pallas kernel, named after its kernel function.
+_XLA_OP = re.compile(
+    r"^(copy|fusion|transpose|bitcast|convert|reduce|pad|slice|broadcast|concatenate|dot|"
+    r"reshape|select|dynamic|iota|add|multiply|subtract|divide|negate|exponential|log|maximum|"
+    r"minimum|compare|and|or|not|tuple|get-tuple-element|constant|custom-call|while|"
+    r"conditional|call|parameter|scatter|gather|sort|cumsum|rng)([.-]|$)")
+
+
+def kernel_cycles(ops_cycles: dict) -> int:
+    """The cycles of a program's Pallas kernels (its other ops are XLA's: layout copies, padding,
+    the gate cumsum, casts)."""
+    return sum(c for name, c in ops_cycles.items()
+               if not _XLA_OP.match(name.split(":")[-1]))
+
+
 def _with_estimates(record: dict, spec: Spec, cycles: int) -> dict:
     gen = GENERATIONS[spec.generation]
     flops = _flops(spec)
-    record.update(cycles=cycles, estimated_us=cycles / (clock_ghz(spec.generation) * 1e3),
+    record.update(cycles=cycles, kernel_cycles=kernel_cycles(record.get("ops", {})),
+                  estimated_us=cycles / (clock_ghz(spec.generation) * 1e3),
                   mxu_utilization=flops / (cycles * 2 * gen["mxu_macs"]),
                   clock_ghz=clock_ghz(spec.generation), useful_flops=flops, error=None)
     return record
@@ -338,6 +377,9 @@ def specs_for(ops_: list[str], impls: list[str] | None, generations: list[str],
                     for blk in JAX_FLASH_BLOCKS:
                         out.append(Spec("attention", "jax_flash", shape, gen, p,
                                         (("block", blk),)))
+                    for blk in JAX_FLASH_BTHD_BLOCKS:
+                        out.append(Spec("attention", "jax_flash_bthd", shape, gen, p,
+                                        (("block", blk),)))
             if "gla" in ops_:
                 for shape in GLA_SHAPES:
                     for gate in ("key", "head"):
@@ -375,25 +417,59 @@ def crossover_specs(generations: list[str]) -> list[Spec]:
     return out
 
 
+PEER_ORDER = ("jax_flash", "jax_flash_bthd", "splash", "xla_dot_product_attention", "gla_tpu_xla",
+              "deltanet_tpu", "deltanet_tpu_gdn2")
+
+
+def _label(r: dict) -> str:
+    return r["impl"] + "".join(f" {k}={v}" for k, v in r["options"])
+
+
 def write_table(records: list[dict], path: pathlib.Path) -> None:
-    """Markdown: one row per (op, shape, generation, pass), ours and the peers in columns."""
+    """Markdown: a summary (one row per program: ours, each peer at its best options, ours/peer)
+    and every record."""
     groups: dict = {}
     for r in records:
-        label = r["impl"] + "".join(f" {k}={v}" for k, v in r["options"])
         key = (r["op"], tuple(r["shape"]), r["generation"], r["passes"])
-        groups.setdefault(key, {})[label] = r
-    lines = ["| op | shape | gen | pass | impl | cycles | est. us | MXU util | / ours |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for (op, shape, gen, p), by_impl in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        ours = by_impl.get("gla_tpu", {}).get("cycles")
-        for label, r in sorted(by_impl.items()):
+        groups.setdefault(key, {})[_label(r)] = r
+    ordered = sorted(groups.items(), key=lambda kv: str(kv[0]))
+    peers = [p for p in PEER_ORDER if any(r["impl"] == p for r in records)]
+    lines = ["## Summary: ours / peer at its best options (< 1 means ours estimates fewer cycles)",
+             "",
+             "| op | shape | gen | pass | ours (kernels) | " + " | ".join(peers) + " |",
+             "|---|---|---|---|---|" + "---|" * len(peers)]
+    for (op, shape, gen, p), by_label in ordered:
+        ours = by_label.get("gla_tpu", {})
+        if ours.get("cycles") is None:
+            cell = "failed" if ours else "-"
+        else:
+            cell = f"{ours['cycles']:,} ({ours['kernel_cycles']:,})"
+        row = [op, str(shape), gen, p, cell]
+        for peer in peers:
+            done = [r for r in by_label.values() if r["impl"] == peer and r.get("cycles")]
+            tried = [r for r in by_label.values() if r["impl"] == peer]
+            if not done:
+                row.append("profiler failed" if tried else "")
+                continue
+            best = min(done, key=lambda r: r["cycles"])
+            opts = "".join(f" {k}={v}" for k, v in best["options"])
+            ratio = f", {ours['cycles'] / best['cycles']:.2f}x" if ours.get("cycles") else ""
+            row.append(f"{best['cycles']:,}{opts}{ratio}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "## Every record", "",
+              "| op | shape | gen | pass | impl | cycles | kernels | est. us | MXU util | "
+              "/ ours |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (op, shape, gen, p), by_label in ordered:
+        ours = by_label.get("gla_tpu", {}).get("cycles")
+        for label, r in sorted(by_label.items()):
             if r.get("cycles") is None:
-                lines.append(f"| {op} | {shape} | {gen} | {p} | {label} | - | - | - | "
+                lines.append(f"| {op} | {shape} | {gen} | {p} | {label} | - | - | - | - | "
                              f"{r['error']} |")
                 continue
             ratio = f"{r['cycles'] / ours:.2f}" if ours else "-"
             lines.append(f"| {op} | {shape} | {gen} | {p} | {label} | {r['cycles']:,} | "
-                         f"{r['estimated_us']:.1f} | {r['mxu_utilization']:.1%} | {ratio} |")
+                         f"{r['kernel_cycles']:,} | {r['estimated_us']:.1f} | "
+                         f"{r['mxu_utilization']:.1%} | {ratio} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -410,7 +486,7 @@ def write_plot(records: list[dict], path: pathlib.Path) -> None:
     for r in records:
         if r.get("cycles") is None:
             continue
-        label = r["impl"] + "".join(f" {k}={v}" for k, v in r["options"])
+        label = _label(r)
         key = f"{r['op']} {'x'.join(map(str, r['shape']))} {r['generation']} {r['passes']}"
         groups.setdefault(key, {})[label] = r["cycles"]
     groups = {k: v for k, v in groups.items() if "gla_tpu" in v}
@@ -442,6 +518,10 @@ def main(argv=None) -> None:
     parser.add_argument("--calibration", action="store_true")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--from-json", nargs="+", metavar="JSON",
+                        help="no compiling: merge these results (later files win on equal "
+                             "keys), recompute the derived fields and write --out/NAME.*")
+    parser.add_argument("--name", default=None, help="file stem of the results")
     args = parser.parse_args(argv)
     if args.child:
         raw = json.loads(args.child)
@@ -449,7 +529,23 @@ def main(argv=None) -> None:
         raw["options"] = tuple(tuple(o) for o in raw["options"])
         _child(Spec(**raw))
         return
+    if args.from_json:
+        merged, env = {}, {}
+        for path in args.from_json:
+            data = json.loads(pathlib.Path(path).read_text())
+            env = data["env"]
+            for r in data["records"]:
+                merged[r["key"]] = _rederived(r)
+        _write_results(list(merged.values()), env, pathlib.Path(args.out),
+                       args.name or "tpu_static")
+        return
     gens = args.generations.split(",")
+    for gen in gens:
+        if gen not in GENERATIONS:
+            parser.error(f"--generations: {gen!r} is not one of {sorted(GENERATIONS)}")
+        if not GENERATIONS[gen]["profiled"]:
+            parser.error(f"--generations: libtpu has no static profile for {gen!r} "
+                         "(no DMA latency model); the compile tests cover it")
     if args.crossover:
         specs, name = crossover_specs(gens), "tpu_static_crossover"
     elif args.calibration:
@@ -458,12 +554,26 @@ def main(argv=None) -> None:
         specs = specs_for(args.ops.split(","), [i for i in args.impls.split(",") if i], gens,
                           args.passes.split(","))
         name = "tpu_static"
+    name = args.name or name
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = []
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for record in pool.map(lambda s: profile(s, args.timeout), specs):
+    # Each record is appended here as it comes, and a rerun skips the programs already there: a
+    # long run that is stopped loses nothing.
+    partial = out / f"{name}.partial.jsonl"
+    done = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            record = json.loads(line)
+            done[record["key"]] = record
+    wanted = {s.key for s in specs}
+    records = [r for k, r in done.items() if k in wanted]
+    todo = [s for s in specs if s.key not in done]
+    print(f"{len(todo)} programs to profile, {len(records)} already in {partial}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool, partial.open("a") as log:
+        for record in pool.map(lambda s: profile(s, args.timeout), todo):
             records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
             cyc = record.get("cycles")
             print(f"{record['key']}: {cyc if cyc is not None else record['error']}", flush=True)
     env = {"date": datetime.date.today().isoformat(), "python": sys.version.split()[0]}
@@ -473,6 +583,22 @@ def main(argv=None) -> None:
         env["deltanet-tpu"] = version("deltanet-tpu")
     except Exception as e:  # noqa: BLE001 - a missing optional package is only recorded
         env["versions_note"] = repr(e)
+    _write_results(records, env, out, name)
+    partial.unlink()
+
+
+def _rederived(record: dict) -> dict:
+    """A stored record with its derived fields (estimates, kernel cycles) recomputed."""
+    if record.get("cycles") is None:
+        return record
+    raw = {k: record[k] for k in ("op", "impl", "generation", "passes")}
+    spec = Spec(shape=tuple(record["shape"]),
+                options=tuple(tuple(o) for o in record["options"]), **raw)
+    return _with_estimates(dict(record), spec, record["cycles"])
+
+
+def _write_results(records: list[dict], env: dict, out: pathlib.Path, name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"env": env, "records": records}, indent=1))
     write_table(records, out / f"{name}.md")
     write_plot(records, out / f"{name}.png")
