@@ -74,23 +74,28 @@ def _gla_args(gate, b, t, h, kd, vd):
             jax.ShapeDtypeStruct((b, h, kd, vd), F32))
 
 
-def _gla(mode):
+def _gla(mode, chunk_size=None):
     def fn(q, k, v, g, s0):
         return ops.gla(q, k, v, g, initial_state=s0, output_final_state=True, mode=mode,
-                       backend="mosaic_tpu")
+                       chunk_size=chunk_size, backend="mosaic_tpu")
     return fn
 
 
-# GLA: mode -> {name: (gate, B, T, H, K, V)}, with an initial state.
+# GLA: mode -> {name: (gate, B, T, H, K, V[, chunk_size])}, with an initial state; the chunked
+# modes at the default chunk (128 up to K = 256, 64 above) and at 64.
 GLA = {
     "fused_chunk": {
         "key-B2-T8192-H8-K128-V128": ("key", 2, 8192, 8, 128, 128),
+        "key-B2-T8192-H8-K128-V128-C64": ("key", 2, 8192, 8, 128, 128, 64),
         "head-B2-T4096-H16-K64-V64": ("head", 2, 4096, 16, 64, 64),
         "key-B1-T1024-H2-K512-V512": ("key", 1, 1024, 2, 512, 512),
+        "head-B2-T2048-H4-K256-V512": ("head", 2, 2048, 4, 256, 512),
     },
     "chunk": {
         "key-B4-T2048-H4-K256-V512": ("key", 4, 2048, 4, 256, 512),
+        "key-B4-T2048-H4-K256-V512-C64": ("key", 4, 2048, 4, 256, 512, 64),
         "key-B1-T1024-H2-K192-V320": ("key", 1, 1024, 2, 192, 320),
+        "head-B1-T2048-H4-K64-V64-C64": ("head", 1, 2048, 4, 64, 64, 64),
     },
     "fused_recurrent": {
         "key-B8-T256-H8-K128-V128": ("key", 8, 256, 8, 128, 128),
@@ -105,8 +110,9 @@ GLA = {
 @pytest.mark.parametrize("generation", TPU_GENERATIONS)
 @pytest.mark.parametrize("mode,name", [(m, n) for m, configs in GLA.items() for n in configs])
 def test_gla_compiles(mode, name, generation):
-    args = _gla_args(*GLA[mode][name])
-    fn = _grad_of_sum(_gla(mode), (0, 1, 2, 3, 4))
+    gate, b, t, h, kd, vd, *chunk_size = GLA[mode][name]
+    args = _gla_args(gate, b, t, h, kd, vd)
+    fn = _grad_of_sum(_gla(mode, *chunk_size), (0, 1, 2, 3, 4))
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 

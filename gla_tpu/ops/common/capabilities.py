@@ -64,6 +64,8 @@ class Capabilities:
       dims: (name, Dims) pairs: ("head_dim", ...) for attention, ("K", ...), ("V", ...) for gla.
       modes, gates, chunk_sizes: gla's modes, gate kinds ("key", "head", "none") and chunk sizes
         of the chunked modes.
+      default_chunks: gla's chunk size for `chunk_size=None` as ((largest K, chunk), ...): the
+        first entry whose K bound holds; the first of `chunk_sizes` when none does.
       features: the optional features it takes (ATTENTION_FEATURES / GLA_FEATURES).
       notes: how it runs (for the README).
       block_sizes: the backend's BlockSizes class, or None for a backend without tiles.
@@ -78,8 +80,16 @@ class Capabilities:
     modes: tuple[str, ...] = ()
     gates: tuple[str, ...] = ()
     chunk_sizes: tuple[int, ...] = ()
+    default_chunks: tuple[tuple[int, int], ...] = ()
     notes: str = ""
     block_sizes: type | None = None
+
+    def default_chunk_size(self, key_dim: int) -> int:
+        """gla's chunk size when the caller gives none, for key dim `key_dim`."""
+        for largest_k, chunk in self.default_chunks:
+            if key_dim <= largest_k:
+                return chunk
+        return self.chunk_sizes[0]
 
     def refusal(self, problem) -> str | None:
         """Why this backend cannot take `problem` (a validated AttentionProblem or GLAProblem),
@@ -96,7 +106,8 @@ class Capabilities:
                 return f"takes mode {_words(self.modes)}; got mode={problem.mode!r}"
             if problem.gate_kind not in self.gates:
                 return f"takes gates {_words(self.gates)}; got a {problem.gate_kind!r} gate"
-            if problem.mode != "fused_recurrent" and problem.chunk_size not in self.chunk_sizes:
+            if (problem.mode != "fused_recurrent" and problem.chunk_size is not None
+                    and problem.chunk_size not in self.chunk_sizes):
                 return (f"runs chunk_size {_words(self.chunk_sizes)}; "
                         f"got chunk_size={problem.chunk_size}")
         for feature in problem.features():
@@ -129,6 +140,17 @@ def _words(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
+def _chunk_sizes(cap: Capabilities) -> str:
+    """The chunk sizes, each with the key dims it is the default for."""
+    notes, bound = {}, 0
+    for largest_k, chunk in cap.default_chunks:
+        notes[chunk] = f"default for K <= {largest_k}"
+        bound = max(bound, largest_k)
+    fallback = cap.chunk_sizes[0]
+    notes.setdefault(fallback, f"default for K > {bound}" if bound else "default")
+    return ", ".join(f"{c} ({notes[c]})" if c in notes else str(c) for c in cap.chunk_sizes)
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -152,6 +174,6 @@ def backend_table(capabilities: list[Capabilities]) -> str:
         else:
             state = _yes("initial_state" in cap.features and "final_state" in cap.features)
             rows.append([f"`{cap.backend}`", cap.platform, _words(cap.dtypes), *dims,
-                         _words(cap.modes), _words(cap.gates), _words(cap.chunk_sizes),
+                         _words(cap.modes), _words(cap.gates), _chunk_sizes(cap),
                          _yes("segment_ids" in cap.features), state, cap.notes])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"

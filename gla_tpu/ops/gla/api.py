@@ -44,7 +44,9 @@ def gla(
       segment_ids: [B, T] int; the state resets to zero where the id changes.
       mode: "chunk", "fused_chunk", "fused_recurrent" or "auto" (recurrent for T <= 16, else
         chunk). All modes compute the same function.
-      chunk_size: 64 (default) or 128, for the chunked modes.
+      chunk_size: 64 or 128, for the chunked modes; None: the backend's default (mosaic_tpu:
+        128 for K <= 256, where the compiler estimates it cheaper, else 64; pallas_gpu and xla:
+        64). The result does not depend on it beyond rounding.
       block_sizes: the backend's BlockSizes (performance only), or None for its defaults.
       backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla".
       interpret: run a Pallas backend in interpret mode on CPU.
@@ -67,6 +69,7 @@ def gla(
         chunk_size=chunk_size,
     )
     module, block_sizes = backends.dispatch("gla", "gla", backend, problem, block_sizes)
+    problem = problem.with_chunk_size(module.CAPABILITIES.default_chunk_size(problem.key_dim))
     return module.gla(
         q, k, v, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
         block_sizes=block_sizes, interpret=interpret,

@@ -12,7 +12,6 @@ MODES = ("auto", "chunk", "fused_chunk", "fused_recurrent")
 RESOLVED_MODES = MODES[1:]
 GATE_KINDS = ("key", "head", "none")
 CHUNK_SIZES = (64, 128)
-DEFAULT_CHUNK_SIZE = 64
 # "auto" runs token by token up to this length (decoding, short prompts), chunked above it.
 AUTO_RECURRENT_MAX_T = 16
 
@@ -29,7 +28,7 @@ class GLAProblem:
     gate_kind: str  # "key" ([B, T, H, K]), "head" ([B, T, H]) or "none"
     scale: float
     mode: str  # resolved: "chunk", "fused_chunk" or "fused_recurrent"
-    chunk_size: int
+    chunk_size: int | None  # None until the backend's default is chosen (`with_chunk_size`)
     has_initial_state: bool
     output_final_state: bool
     has_segments: bool
@@ -38,6 +37,12 @@ class GLAProblem:
     def sizes(self) -> dict[str, int]:
         """The head dims a backend's capabilities constrain."""
         return {"K": self.key_dim, "V": self.value_dim}
+
+    def with_chunk_size(self, default: int) -> GLAProblem:
+        """This problem with `default` as its chunk size where the caller gave none."""
+        if self.chunk_size is not None:
+            return self
+        return dataclasses.replace(self, chunk_size=default)
 
     def features(self) -> tuple[str, ...]:
         """The optional features this problem uses (common/capabilities.GLA_FEATURES)."""
@@ -91,15 +96,14 @@ def validate_gla(q, k, v_, g, *, scale, initial_state, output_final_state, segme
         v.check_shape("segment_ids", segment_ids, (b, t), "[B, T]")
         segment_ids = segment_ids.astype(jnp.int32)
     v.check_choice("mode", mode, MODES)
-    if chunk_size is None:
-        chunk_size = DEFAULT_CHUNK_SIZE
-    else:
+    if chunk_size is not None:
         v.check_choice("chunk_size", chunk_size, CHUNK_SIZES + (None,))
+        chunk_size = int(chunk_size)
     if mode == "auto":
         mode = "fused_recurrent" if t <= AUTO_RECURRENT_MAX_T else "chunk"
     problem = GLAProblem(
         batch=b, seq_len=t, num_heads=h, key_dim=kd, value_dim=vd, gate_kind=kind, scale=s,
-        mode=mode, chunk_size=int(chunk_size), has_initial_state=initial_state is not None,
+        mode=mode, chunk_size=chunk_size, has_initial_state=initial_state is not None,
         output_final_state=bool(output_final_state), has_segments=segment_ids is not None,
         dtype=jnp.dtype(v_.dtype),
     )
