@@ -360,7 +360,8 @@ def _profile_one(spec: Spec, timeout: int) -> dict:
         try:
             run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                                  cwd=pathlib.Path(__file__).resolve().parents[1])
-            error = None if run.returncode == 0 else _last_error(run.stderr)
+            error = (None if run.returncode == 0
+                     else f"exit {run.returncode}: {_last_error(run.stderr)}")
         except subprocess.TimeoutExpired:
             error = f"timeout after {timeout} s"
         ops_cycles = {}
