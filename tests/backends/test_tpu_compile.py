@@ -116,6 +116,14 @@ def test_gla_compiles(mode, name, generation):
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
+def test_gla_chunk_128_above_k_256_is_refused_on_v4():
+    """v4's 16 MiB of VMEM does not hold the chunk-128 blocks at K = V = 512: a clear refusal,
+    not the compiler's out-of-memory error."""
+    args = _gla_args("key", 1, 1024, 2, 512, 512)
+    with pytest.raises(NotImplementedError, match="chunk_size=128 for K <= 256 on v4"):
+        compile_for_tpu(_gla("fused_chunk", 128), *args, generation="v4")
+
+
 @pytest.mark.parametrize("generation", TPU_GENERATIONS)
 def test_gla_decode_step_compiles(generation):
     """A decode step of a serving batch: one token per row, the state carried in (forward only,

@@ -24,3 +24,12 @@ def tpu_interpret_params(interpret):
         "interpret must be a bool or a jax.experimental.pallas.tpu.InterpretParams for "
         f"backend='mosaic_tpu'; got {interpret!r}."
     )
+
+
+def target_tpu_info():
+    """`pltpu.TpuInfo` of the TPU being compiled for (a TPU device, or the abstract mesh of a
+    deviceless compile), or None where there is none (CPU, interpret mode)."""
+    try:
+        return pltpu.get_tpu_info()
+    except Exception:  # noqa: BLE001 - no TPU target: callers take generation-independent paths
+        return None

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_tpu.ops.common.flops import attention_matmul_flops
-from gla_tpu.ops.common.tpu import LANES, SUBLANES, tpu_interpret_params
+from gla_tpu.ops.common.tpu import LANES, SUBLANES, target_tpu_info, tpu_interpret_params
 
 # Sequence blocks are lane dims of the score tiles and of the lse/di/segment rows.
 BLOCK_MULTIPLE = LANES
@@ -137,14 +137,9 @@ def _block_cap(length: int) -> int:
 
 
 def _target_mxu_width() -> int | None:
-    """The MXU width of the TPU being compiled for (a TPU device, or the abstract mesh of a
-    deviceless compile); None where there is none (CPU)."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    try:
-        return pltpu.get_tpu_info().mxu_column_size
-    except Exception:  # noqa: BLE001 - no TPU target: the generation-independent defaults
-        return None
+    """The MXU width of the TPU being compiled for; None where there is none (CPU)."""
+    info = target_tpu_info()
+    return None if info is None else info.mxu_column_size
 
 
 def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelConfig:

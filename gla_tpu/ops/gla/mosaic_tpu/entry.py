@@ -19,7 +19,7 @@ from gla_tpu.ops.common.capabilities import GLA_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
 from gla_tpu.ops.common.segments import chunk_entry_segments, segment_index, token_keeps
-from gla_tpu.ops.common.tpu import tpu_interpret_params
+from gla_tpu.ops.common.tpu import target_tpu_info, tpu_interpret_params
 from gla_tpu.ops.gla.mosaic_tpu import vjp
 from gla_tpu.ops.gla.mosaic_tpu.plan import (
     MAX_HEAD_DIM,
@@ -46,8 +46,22 @@ CAPABILITIES = Capabilities(
 )
 
 
+# chunk_size=128 above this K needs more than 16 MiB of scoped VMEM (v4's): the compiler runs
+# out at K = V = 512 (docs/gla_mosaic_tpu.md, "Chunk size").
+CHUNK_128_MAX_K_SMALL_VMEM = 256
+SMALL_VMEM_BYTES = 32 * 2**20
+
+
 def check_supported(problem, block_sizes) -> None:
     CAPABILITIES.check(problem, block_sizes)
+    if (problem.mode != "fused_recurrent" and problem.chunk_size == 128
+            and problem.key_dim > CHUNK_128_MAX_K_SMALL_VMEM):
+        info = target_tpu_info()
+        if info is not None and info.vmem_capacity_bytes < SMALL_VMEM_BYTES:
+            raise NotImplementedError(
+                f"the 'mosaic_tpu' gla runs chunk_size=128 for K <= {CHUNK_128_MAX_K_SMALL_VMEM} "
+                f"on {info.chip_version} ({info.vmem_capacity_bytes // 2**20} MiB of VMEM); got "
+                f"K={problem.key_dim}. chunk_size=64 or backend='xla' takes it.")
     if problem.mode == "fused_recurrent":
         # NotImplementedError when no block sizes fit the VMEM budget
         recurrent_plan(problem, block_sizes or BlockSizes())
