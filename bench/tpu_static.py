@@ -351,15 +351,24 @@ def _with_estimates(record: dict, spec: Spec, cycles: int) -> dict:
     return record
 
 
+def _run_child(spec: Spec, timeout: int, profile_dir: str | None = None,
+               list_ops: bool = False) -> subprocess.CompletedProcess:
+    """Compiles `spec` in a child process, with libtpu's static profile written to `profile_dir`
+    (None: no profile). Raises subprocess.TimeoutExpired."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.pop("LIBTPU_INIT_ARGS", None)
+    if profile_dir is not None:
+        env["LIBTPU_INIT_ARGS"] = f"--xla_jf_dump_static_llo_profile_to={profile_dir}"
+    cmd = [sys.executable, "-m", "bench.tpu_static", *(["--list-ops"] if list_ops else []),
+           "--child", json.dumps(dataclasses.asdict(spec))]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=pathlib.Path(__file__).resolve().parents[1])
+
+
 def _profile_one(spec: Spec, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-                   LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={dump}")
-        cmd = [sys.executable, "-m", "bench.tpu_static", "--child",
-               json.dumps(dataclasses.asdict(spec))]
         try:
-            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                                 cwd=pathlib.Path(__file__).resolve().parents[1])
+            run = _run_child(spec, timeout, profile_dir=dump)
             error = (None if run.returncode == 0
                      else f"exit {run.returncode}: {_last_error(run.stderr)}")
         except subprocess.TimeoutExpired:
@@ -390,13 +399,8 @@ def _profile_one(spec: Spec, timeout: int) -> dict:
 def _unprofiled_ops(spec: Spec, ops_cycles: dict, timeout: int) -> list | None:
     """The entry ops of `spec`'s program (compiled again, without the profiler) that have no
     profile; None if that compile fails."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    env.pop("LIBTPU_INIT_ARGS", None)
-    cmd = [sys.executable, "-m", "bench.tpu_static", "--list-ops", "--child",
-           json.dumps(dataclasses.asdict(spec))]
     try:
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                             cwd=pathlib.Path(__file__).resolve().parents[1])
+        run = _run_child(spec, timeout, list_ops=True)
         ops_ = json.loads(run.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
         return None
