@@ -77,11 +77,11 @@ def main(argv=None):
                 for mode in args.modes.split(","):
                     f = fn if mode == "fwd" else fwd_bwd(fn, ct)
                     try:
-                        record(ctx, op="gla", impl=name, shape=shape, mode=mode,
+                        record(ctx, op="gla", impl=name, shape=shape, mode=mode, gate="fla",
                                timing=time_jax(f, jq, jk, jv, jg),
                                flops=gla_flops(b, t, h, kd, vd, backward=mode == "fwd+bwd"))
                     except Exception as e:  # noqa: BLE001
-                        record(ctx, op="gla", impl=name, shape=shape, mode=mode,
+                        record(ctx, op="gla", impl=name, shape=shape, mode=mode, gate="fla",
                                error=f"{type(e).__name__}: {str(e)[:300]}")
             write_outputs(ctx, args.out, "gla_variants")
     print(write_outputs(ctx, args.out, "gla_variants"))

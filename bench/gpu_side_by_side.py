@@ -45,6 +45,25 @@ CROSSOVER_T = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 MATCH_TOLERANCE = 2e-2  # relative RMS error between two bfloat16 implementations
 
 
+def _logsigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+# Log-gate distributions, by the name a record carries. "fla" is fla's and jla's op-benchmark
+# draw and the default; "fla/16" fla's GLA layer default (gate_logit_normalizer 16); "weak" the
+# draw this script used before 2026-11-22 (about -0.05 a step); "minus3" about -3 a step; "strong"
+# decays of up to 1e3 a step. The last two are the inputs slowest for a kernel with a
+# data-dependent exact path.
+GATES = {
+    "fla": ("logsigmoid(N(0,1))", lambda x: _logsigmoid(x)),
+    "fla/16": ("logsigmoid(N(0,1))/16", lambda x: _logsigmoid(x) / 16.0),
+    "weak": ("logsigmoid(N(0,1)+3)", lambda x: _logsigmoid(x + 3.0)),
+    "minus3": ("logsigmoid(N(0,1)-3)", lambda x: _logsigmoid(x - 3.0)),
+    "strong": ("-1e3*sigmoid(N(0,1))", lambda x: -1e3 / (1.0 + np.exp(-x))),
+}
+DEFAULT_GATES = ("fla", "fla/16")
+
+
 def versions() -> dict:
     out = {"jax": jax.__version__}
     for name in ("jaxlib", "torch", "triton", "fla-core", "jax-linear-attention"):
@@ -71,9 +90,11 @@ def rel_err(a, b) -> float:
 
 
 def record(ctx, *, op, impl, shape, mode, timing=None, flops=None, ms=None, error=None,
-           note=None):
+           note=None, gate=None):
     rec = dict(op=op, impl=impl, shape=list(shape), mode=mode, dtype="bfloat16",
                device=ctx.env["device"], date=ctx.env["date"], versions=ctx.env["versions"])
+    if gate is not None:
+        rec["gate"] = GATES[gate][0]
     if timing is not None:
         rec.update(ms_median=timing[0], ms_min=timing[1], ms_max=timing[2])
         rec["tflops"] = flops / (timing[0] * 1e-3) / 1e12 if flops else None
@@ -86,7 +107,7 @@ def record(ctx, *, op, impl, shape, mode, timing=None, flops=None, ms=None, erro
     ctx.records.append(rec)
     if ctx.path:
         write_json(ctx.path, ctx.records)
-    print(f"{op:10s} {impl:22s} {str(shape):32s} {mode:8s} "
+    print(f"{op:10s} {impl:22s} {str(shape):32s} {mode:8s} {gate or '':7s} "
           f"{'-' if rec['ms_median'] is None else f'{rec['ms_median']:.3f} ms'}"
           f"{'' if rec['tflops'] is None else f'  {rec['tflops']:.0f} TF/s'}"
           f"{'' if error is None else '  ' + error[:120]}", flush=True)
@@ -187,11 +208,12 @@ def bench_attention(ctx, shapes, modes):
 # GLA.
 
 
-def gla_inputs(rng, b, t, h, kd, vd, with_state=False):
+def gla_inputs(rng, b, t, h, kd, vd, with_state=False, gate="fla", per_head=False):
+    """q, k, v ~ N(0, 1); log gates g from GATES[gate], [B, T, H, K] (per_head: [B, T, H])."""
     q = rng.standard_normal((b, t, h, kd), np.float32)
     k = rng.standard_normal((b, t, h, kd), np.float32)
     v = rng.standard_normal((b, t, h, vd), np.float32)
-    g = np.log(1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h, kd), np.float32) - 3.0)))
+    g = GATES[gate][1](rng.standard_normal((b, t, h) if per_head else (b, t, h, kd), np.float32))
     s0 = rng.standard_normal((b, h, kd, vd), np.float32) if with_state else None
     return q, k, v, g.astype(np.float32), s0
 
@@ -214,12 +236,17 @@ def jla_gla(q, k, v, g):
     return o
 
 
-def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True):
+def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True, gate="fla",
+                    per_head=False):
+    """One GLA shape and gate distribution: ours, jla and fla (per_head: [B, T, H] gates against
+    fla's chunk_simple_gla)."""
     import torch
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
 
+    if per_head:
+        op = "gla_per_head"
     rng = np.random.default_rng(ctx.seed)
-    q, k, v, g, _ = gla_inputs(rng, b, t, h, kd, vd)
+    q, k, v, g, _ = gla_inputs(rng, b, t, h, kd, vd, gate=gate, per_head=per_head)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg = jnp.asarray(g)
     jct = jnp.asarray(rng.standard_normal((b, t, h, vd), np.float32))
@@ -231,29 +258,34 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
             out = jax.block_until_ready(jax.jit(fn)(jq, jk, jv, jg))
             err = rel_err(out, ours)
             if err > MATCH_TOLERANCE:
-                record(ctx, op=op, impl=name, shape=shape, mode="fwd",
+                record(ctx, op=op, impl=name, shape=shape, mode="fwd", gate=gate,
                        error=f"output differs from ours: rel err {err:.2e}")
                 return
             for mode in modes:
                 f = fn if mode == "fwd" else fwd_bwd(fn, jct)
                 flops = gla_flops(b, t, h, kd, vd, backward=mode == "fwd+bwd")
-                record(ctx, op=op, impl=name, shape=shape, mode=mode,
+                record(ctx, op=op, impl=name, shape=shape, mode=mode, gate=gate,
                        timing=time_jax(f, jq, jk, jv, jg), flops=flops,
                        note=f"rel err vs ours {err:.1e}")
         except Exception as e:
-            record(ctx, op=op, impl=name, shape=shape, mode="fwd",
+            record(ctx, op=op, impl=name, shape=shape, mode="fwd", gate=gate,
                    error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     if not ctx.peers_only:
         jax_impl("ours_chunk", ours_gla("chunk"))
-    if op == "gla":
+    if op == "gla":  # jla's GLA takes per-key gates only
         jax_impl("jla_mosaic_gpu", jla_gla)
 
     dev = "cuda"
     tq, tk, tv = (torch.from_numpy(x).to(dev).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
     tg = torch.from_numpy(g).to(dev).requires_grad_()
     tct = torch.from_numpy(np.asarray(jct)).to(dev).to(torch.bfloat16)
-    peers = [("fla_chunk_gla", lambda: chunk_gla(tq, tk, tv, tg)[0])]
+    if per_head:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        peers = [("fla_chunk_simple_gla", lambda: chunk_simple_gla(tq, tk, tv, tg)[0])]
+    else:
+        peers = [("fla_chunk_gla", lambda: chunk_gla(tq, tk, tv, tg)[0])]
     if fla_recurrent and op == "gla":
         peers.append(("fla_fused_recurrent_gla", lambda: fused_recurrent_gla(tq, tk, tv, tg)[0]))
     for name, fn in peers:
@@ -262,7 +294,7 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
                 out = fn().float().cpu().numpy()
             err = rel_err(out, ours)
             if err > MATCH_TOLERANCE:
-                record(ctx, op=op, impl=name, shape=shape, mode="fwd",
+                record(ctx, op=op, impl=name, shape=shape, mode="fwd", gate=gate,
                        error=f"output differs from ours: rel err {err:.2e}")
                 continue
             for mode in modes:
@@ -275,10 +307,10 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
                         fn().backward(tct)
                 timing = time_torch(run)
                 flops = gla_flops(b, t, h, kd, vd, backward=mode == "fwd+bwd")
-                record(ctx, op=op, impl=name, shape=shape, mode=mode, timing=timing, flops=flops,
-                       note=f"rel err vs ours {err:.1e}")
+                record(ctx, op=op, impl=name, shape=shape, mode=mode, gate=gate, timing=timing,
+                       flops=flops, note=f"rel err vs ours {err:.1e}")
         except Exception as e:
-            record(ctx, op=op, impl=name, shape=shape, mode="fwd",
+            record(ctx, op=op, impl=name, shape=shape, mode="fwd", gate=gate,
                    error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
@@ -293,7 +325,7 @@ def bench_decode(ctx, b=64, h=16, kd=128, vd=128):
     shape = (b, 1, h, kd, vd)
     fn = ours_gla("fused_recurrent")
     ours = np.asarray(jax.jit(fn)(*jargs), np.float32)
-    record(ctx, op="gla_decode", impl="ours_fused_recurrent", shape=shape, mode="fwd",
+    record(ctx, op="gla_decode", impl="ours_fused_recurrent", shape=shape, mode="fwd", gate="fla",
            timing=time_jax(fn, *jargs))
     tq, tk, tv = (torch.from_numpy(x).cuda().to(torch.bfloat16) for x in (q, k, v))
     tg, ts0 = torch.from_numpy(g).cuda(), torch.from_numpy(s0).cuda()
@@ -301,7 +333,7 @@ def bench_decode(ctx, b=64, h=16, kd=128, vd=128):
     err = rel_err(out, ours)
     if err > MATCH_TOLERANCE:
         record(ctx, op="gla_decode", impl="fla_fused_recurrent_gla", shape=shape, mode="fwd",
-               error=f"output differs from ours: rel err {err:.2e}")
+               gate="fla", error=f"output differs from ours: rel err {err:.2e}")
         return
 
     def run():
@@ -309,7 +341,7 @@ def bench_decode(ctx, b=64, h=16, kd=128, vd=128):
             fused_recurrent_gla(tq, tk, tv, tg, initial_state=ts0, output_final_state=True)
 
     record(ctx, op="gla_decode", impl="fla_fused_recurrent_gla", shape=shape, mode="fwd",
-           timing=time_torch(run), note=f"rel err vs ours {err:.1e}")
+           gate="fla", timing=time_torch(run), note=f"rel err vs ours {err:.1e}")
 
 
 def bench_gla_breakdown(ctx, b=4, t=4096, h=16, kd=128, vd=128):
@@ -357,11 +389,11 @@ def bench_gla_breakdown(ctx, b=4, t=4096, h=16, kd=128, vd=128):
     }
     for name, fn in run.items():
         try:
-            record(ctx, op="gla_kernel", impl=name, shape=(b, t, h, kd, vd), mode="fwd",
+            record(ctx, op="gla_kernel", impl=name, shape=(b, t, h, kd, vd), mode="fwd", gate="fla",
                    timing=time_jax(fn, *args[name]))
         except Exception as e:
             message = str(e).splitlines()[0] if str(e) else ""
-            record(ctx, op="gla_kernel", impl=name, shape=(b, t, h, kd, vd), mode="fwd",
+            record(ctx, op="gla_kernel", impl=name, shape=(b, t, h, kd, vd), mode="fwd", gate="fla",
                    error=f"{type(e).__name__}: {message}")
 
 
@@ -381,7 +413,7 @@ def bench_crossover(ctx, lengths):
                timing=time_jax(fwd_bwd(att, ct), q, k, v),
                flops=attention_flops(b, t, t, h, d, causal=True, backward=True))
         record(ctx, op="crossover", impl="ours_gla_chunk", shape=(b, h, t, d), mode="fwd+bwd",
-               timing=time_jax(fwd_bwd(ours_gla("chunk"), ct), q, k, v, g),
+               gate="fla", timing=time_jax(fwd_bwd(ours_gla("chunk"), ct), q, k, v, g),
                flops=gla_flops(b, t, h, d, d, backward=True))
 
 
@@ -389,8 +421,8 @@ def write_outputs(ctx, out_dir, tag):
     os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, f"{tag}.json"), ctx.records)
     rows = [dict(r, shape=str(tuple(r["shape"]))) for r in ctx.records]
-    table = format_table(rows, ["op", "impl", "shape", "mode", "ms_median", "ms_min", "ms_max",
-                                "tflops", "error"])
+    table = format_table(rows, ["op", "impl", "shape", "mode", "gate", "ms_median", "ms_min",
+                                "ms_max", "tflops", "error"])
     with open(os.path.join(out_dir, f"{tag}.md"), "w") as f:
         f.write(f"device {ctx.env['device']}, date {ctx.env['date']}, versions "
                 f"{json.dumps(ctx.env['versions'])}\n\n```\n{table}\n```\n")
@@ -400,8 +432,12 @@ def write_outputs(ctx, out_dir, tag):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", action="append",
-                        choices=["attention", "gla", "decode", "crossover", "breakdown"],
+                        choices=["attention", "gla", "gla_per_head", "decode", "crossover",
+                                 "breakdown"],
                         required=True)
+    parser.add_argument("--gates", default=",".join(DEFAULT_GATES),
+                        help=f"GLA: comma-separated log-gate distributions from {sorted(GATES)} "
+                             "(each shape is timed with each)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="gpu_side_by_side")
     parser.add_argument("--quick", action="store_true", help="first shape of each list only")
@@ -418,6 +454,10 @@ def main(argv=None):
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
+    gates = args.gates.split(",")
+    for gate in gates:
+        if gate not in GATES:
+            parser.error(f"--gates: unknown distribution {gate!r}; choose from {sorted(GATES)}")
     env = environment()
     env["versions"] = versions()
     ctx = Context(env=env, records=[], path=os.path.join(args.out, f"{args.tag}.json"),
@@ -429,12 +469,15 @@ def main(argv=None):
                 if args.attention_shapes:
                     shapes = [ATTENTION_SHAPES[int(i)] for i in args.attention_shapes.split(",")]
                 bench_attention(ctx, shapes, modes)
-            elif part == "gla":
+            elif part in ("gla", "gla_per_head"):
                 shapes = GLA_SHAPES[:1] if args.quick else GLA_SHAPES
                 if args.gla_shapes:
                     shapes = [GLA_SHAPES[int(i)] for i in args.gla_shapes.split(",")]
                 for shape in shapes:
-                    bench_gla_shape(ctx, *shape, modes, fla_recurrent=not args.no_fla_recurrent)
+                    for gate in gates:
+                        bench_gla_shape(ctx, *shape, modes, gate=gate,
+                                        per_head=part == "gla_per_head",
+                                        fla_recurrent=not args.no_fla_recurrent)
             elif part == "decode":
                 bench_decode(ctx)
             elif part == "breakdown":
