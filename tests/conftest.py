@@ -15,7 +15,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # so the CPU backend compiles them without LLVM's optimizations: the suite takes half the time, and
 # the TPU compile tests produce the same executables with or without these flags
 # (docs/testing.md).
-TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=4",
+TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8",
                   "--xla_backend_optimization_level=0",
                   "--xla_llvm_disable_expensive_passes=true")
 _flags = os.environ.get("XLA_FLAGS", "").split()

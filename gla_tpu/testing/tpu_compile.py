@@ -83,3 +83,33 @@ def compile_for_tpu(fn, *abstract_args, generation: str = "v5e", static_kwargs=N
     # generation they target; without it they would see the CPU host.
     with jax.sharding.use_abstract_mesh(_single_device_mesh(generation).abstract_mesh):
         return jax.jit(lambda *args: fn(*args, **kwargs)).lower(*placed).compile()
+
+
+@functools.cache
+def tpu_slice_mesh(generation: str, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Mesh:
+    """A mesh over the chips of `generation`'s 4-chip topology (TPU_TOPOLOGIES), for deviceless
+    compiles of sharded programs: e.g. tpu_slice_mesh("v5e", (2, 2), ("data", "model"))."""
+    if generation not in TPU_TOPOLOGIES:
+        raise ValueError(
+            f"generation must be one of {TPU_GENERATIONS}; got {generation!r}."
+        )
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=TPU_TOPOLOGIES[generation]
+    )
+    count = int(np.prod(shape))
+    if count > len(topo.devices):
+        raise ValueError(
+            f"mesh shape {shape} needs {count} devices; {TPU_TOPOLOGIES[generation]} has "
+            f"{len(topo.devices)}."
+        )
+    return Mesh(np.array(topo.devices[:count]).reshape(shape), axis_names)
+
+
+def compile_sharded_for_tpu(fn, mesh: Mesh, *abstract_args, static_kwargs=None):
+    """AOT-compiles `fn` for the chips of `mesh` (from `tpu_slice_mesh`); abstract_args are
+    ShapeDtypeStructs whose shardings name that mesh (or None). Returns the executable
+    (`.as_text()` gives the partitioned HLO)."""
+    kwargs = static_kwargs or {}
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return jax.jit(lambda *args: fn(*args, **kwargs)).lower(*abstract_args).compile()
+

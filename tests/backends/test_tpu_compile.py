@@ -163,3 +163,54 @@ def test_harness_compiles_a_trivial_kernel_for_every_generation():
 def test_harness_refuses_an_unknown_generation():
     with pytest.raises(ValueError, match="generation must be one of"):
         compile_for_tpu(_double, jax.ShapeDtypeStruct((128, 128), F32), generation="v3")
+
+
+# Sharded programs on a 4-chip slice (docs/scale_out.md): batch and heads over a (2, 2) mesh.
+SHARDED_GENERATIONS = ("v5e", "v5p", "v6e")
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+@pytest.mark.parametrize("generation", SHARDED_GENERATIONS)
+@pytest.mark.parametrize("op", ["attention", "gla"])
+def test_sharded_program_compiles_for_a_4_chip_slice_without_collectives(op, generation):
+    """`jax.jit` of the op's forward+backward with q, k, v (and g) split over batch and heads:
+    Mosaic compiles each chip's kernels, and the partitioned program moves nothing between chips
+    (without `sharding=`, the same program fails: Mosaic kernels cannot be partitioned)."""
+    import re
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gla_tpu.testing.tpu_compile import compile_sharded_for_tpu, tpu_slice_mesh
+
+    mesh = tpu_slice_mesh(generation, (2, 2), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", None, "model", None))
+    x = jax.ShapeDtypeStruct((4, 2048, 8, 128), BF16, sharding=sharding)
+    g = jax.ShapeDtypeStruct((4, 2048, 8, 128), F32, sharding=sharding)
+    if op == "attention":
+        fn = _grad_of_sum(lambda q, k, v: ops.flash_attention(
+            q, k, v, causal=True, backend="mosaic_tpu", sharding=sharding), (0, 1, 2))
+        args = (x, x, x)
+    else:
+        fn = _grad_of_sum(lambda q, k, v, g: ops.gla(
+            q, k, v, g, backend="mosaic_tpu", sharding=sharding)[0], (0, 1, 2, 3))
+        args = (x, x, x, g)
+    text = compile_sharded_for_tpu(fn, mesh, *args).as_text()
+    assert "tpu_custom_call" in text
+    for name in COLLECTIVES:
+        assert not re.search(rf"\b{name}(-start)?\(", text), name
+
+
+def test_unsharded_call_on_sharded_inputs_is_what_sharding_fixes():
+    """The problem `sharding=` solves: XLA's partitioner refuses the Mosaic kernel."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gla_tpu.testing.tpu_compile import compile_sharded_for_tpu, tpu_slice_mesh
+
+    mesh = tpu_slice_mesh("v5e", (2, 2), ("data", "model"))
+    x = jax.ShapeDtypeStruct((4, 2048, 8, 128), BF16,
+                             sharding=NamedSharding(mesh, P("data", None, "model", None)))
+    with pytest.raises(Exception, match="cannot be automatically partitioned"):
+        compile_sharded_for_tpu(lambda q, k, v: ops.flash_attention(
+            q, k, v, causal=True, backend="mosaic_tpu"), mesh, x, x, x)

@@ -138,7 +138,7 @@ def _param_spec(leaf):
 @pytest.mark.parametrize("kind", ["softmax", "gla"])
 def test_sharded_parameters_on_four_cpu_devices(kind):
     devices = jax.devices()
-    assert len(devices) >= 4, "tests/conftest.py sets --xla_force_host_platform_device_count=4"
+    assert len(devices) >= 4, "tests/conftest.py sets --xla_force_host_platform_device_count=8"
     mesh = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
     cfg = _config(kind, num_layers=1)
     params = lm.init(jax.random.key(9), cfg)

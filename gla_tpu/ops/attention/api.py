@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gla_tpu.ops.attention.validation import validate_attention
 from gla_tpu.ops.common import backends
+from gla_tpu.ops.common.sharding import kv_for_local_heads, resolve_sharding, sharded_call
 
 # Each backend is the module gla_tpu.ops.attention.<backend>, implementing
 # `check_supported(problem, block_sizes)` and
@@ -21,6 +22,7 @@ def flash_attention(
     block_sizes=None,
     backend: str = "auto",
     interpret=False,
+    sharding=None,
 ):
     """Softmax attention `softmax(q k^T * sm_scale + mask) v`, without a [T, S] array in memory.
 
@@ -36,6 +38,12 @@ def flash_attention(
       backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla".
       interpret: run a Pallas backend in interpret mode on CPU (True, or the backend's interpret
         parameters object).
+      sharding: None, or a `jax.sharding.NamedSharding` for q's [B, T, H, D] layout whose spec
+        splits the batch and/or head dims, e.g. `NamedSharding(mesh, P("data", None, "model"))`:
+        each device runs the op on its block (`jax.shard_map`, no communication; k, v and the
+        segment ids follow q; kv heads split when Hkv divides by the head axes' size and are
+        replicated otherwise). With None, q's own sharding is used where its type carries
+        explicit mesh axes. A split time axis raises NotImplementedError (docs/scale_out.md).
 
     Returns:
       o: [B, T, H, D] in q's dtype. A query that sees no key gets zeros (and zero gradients).
@@ -52,7 +60,34 @@ def flash_attention(
     )
     module, block_sizes = backends.dispatch("attention", "flash_attention", backend, problem,
                                             block_sizes)
-    return module.flash_attention(
-        q, k, v, problem=problem, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-        block_sizes=block_sizes, interpret=interpret,
-    )
+
+    def run(q, k, v, q_seg, kv_seg, problem=problem):
+        return module.flash_attention(
+            q, k, v, problem=problem, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+            block_sizes=block_sizes, interpret=interpret,
+        )
+
+    layout = resolve_sharding("flash_attention", sharding, q, batch=problem.batch,
+                              heads=problem.num_heads)
+    if layout is None:
+        return run(q, k, v, q_seg, kv_seg)
+
+    kv_split = problem.num_kv_heads % layout.head_shards == 0
+    local_heads = problem.num_heads // layout.head_shards
+    group = problem.num_heads // problem.num_kv_heads
+
+    def run_local(q, k, v, q_seg, kv_seg):
+        if not kv_split:
+            k, v = (kv_for_local_heads(x, layout, local_heads, group) for x in (k, v))
+        segments = None if q_seg is None else (q_seg, kv_seg)
+        local, _, _ = validate_attention(q, k, v, causal=causal, sm_scale=problem.sm_scale,
+                                         segment_ids=segments)
+        return run(q, k, v, q_seg, kv_seg, problem=local)
+
+    q_spec = layout.spec("batch", None, "heads", None)
+    kv_spec = q_spec if kv_split else layout.spec("batch", None, None, None)
+    seg_spec = None if q_seg is None else layout.spec("batch", None)
+    kv_psum = () if kv_split else layout.head_axes
+    return sharded_call(run_local, layout, (q, k, v, q_seg, kv_seg),
+                        (q_spec, kv_spec, kv_spec, seg_spec, seg_spec), q_spec,
+                        grad_psum_axes=((), kv_psum, kv_psum, (), ()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from gla_tpu.ops.common import backends
+from gla_tpu.ops.common.sharding import resolve_sharding, sharded_call
 from gla_tpu.ops.gla.validation import validate_gla
 
 # Each backend is the module gla_tpu.ops.gla.<backend>, implementing
@@ -28,6 +29,7 @@ def gla(
     block_sizes=None,
     backend: str = "auto",
     interpret=False,
+    sharding=None,
 ):
     """Gated linear attention.
 
@@ -50,6 +52,11 @@ def gla(
       block_sizes: the backend's BlockSizes (performance only), or None for its defaults.
       backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla".
       interpret: run a Pallas backend in interpret mode on CPU.
+      sharding: None, or a `jax.sharding.NamedSharding` for q's [B, T, H, K] layout whose spec
+        splits the batch and/or head dims: each device runs the op on its block
+        (`jax.shard_map`, no communication); k, v, g, segment_ids, initial_state and the outputs
+        follow q. With None, q's own sharding is used where its type carries explicit mesh axes.
+        A split time axis raises NotImplementedError (docs/scale_out.md).
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32 or None).
@@ -69,11 +76,35 @@ def gla(
         chunk_size=chunk_size,
     )
     module, block_sizes = backends.dispatch("gla", "gla", backend, problem, block_sizes)
-    problem = problem.with_chunk_size(module.CAPABILITIES.default_chunk_size(problem.key_dim))
-    return module.gla(
-        q, k, v, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
-        block_sizes=block_sizes, interpret=interpret,
-    )
+    chunk = module.CAPABILITIES.default_chunk_size(problem.key_dim)
+    problem = problem.with_chunk_size(chunk)
+
+    def run(q, k, v, g, initial_state, segment_ids, problem=problem):
+        return module.gla(
+            q, k, v, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
+            block_sizes=block_sizes, interpret=interpret,
+        )
+
+    layout = resolve_sharding("gla", sharding, q, batch=problem.batch, heads=problem.num_heads)
+    if layout is None:
+        return run(q, k, v, g, initial_state, segment_ids)
+
+    def run_local(q, k, v, g, initial_state, segment_ids):
+        local, initial_state, segment_ids = validate_gla(
+            q, k, v, g, scale=problem.scale, initial_state=initial_state,
+            output_final_state=output_final_state, segment_ids=segment_ids, mode=mode,
+            chunk_size=chunk_size,
+        )
+        return run(q, k, v, g, initial_state, segment_ids, problem=local.with_chunk_size(chunk))
+
+    spec = layout.spec("batch", None, "heads", None)  # q, k, v, per-key g, o
+    gate_spec = None if g is None else spec if g.ndim == 4 else layout.spec("batch", None, "heads")
+    state_spec = layout.spec("batch", "heads", None, None)
+    return sharded_call(
+        run_local, layout, (q, k, v, g, initial_state, segment_ids),
+        (spec, spec, spec, gate_spec, None if initial_state is None else state_spec,
+         None if segment_ids is None else layout.spec("batch", None)),
+        (spec, state_spec if output_final_state else None))
 
 
 def _with_mode(mode: str):
