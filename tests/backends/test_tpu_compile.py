@@ -11,6 +11,7 @@ backward exists (the decode step).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
@@ -214,3 +215,35 @@ def test_unsharded_call_on_sharded_inputs_is_what_sharding_fixes():
     with pytest.raises(Exception, match="cannot be automatically partitioned"):
         compile_sharded_for_tpu(lambda q, k, v: ops.flash_attention(
             q, k, v, causal=True, backend="mosaic_tpu"), mesh, x, x, x)
+
+
+@pytest.mark.parametrize("generation", SHARDED_GENERATIONS)
+def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
+    """GLA forward+backward with batch and T over a (2, 2) mesh: Mosaic compiles each chip's
+    kernels, and the program's collectives move the blocks' states and decays (all-gathers
+    forward; reduce-scatters and, as XLA TPU splits them, all-reduces backward), nothing of
+    length T."""
+    import re
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gla_tpu.testing.tpu_compile import compile_sharded_for_tpu, tpu_slice_mesh
+
+    mesh = tpu_slice_mesh(generation, (2, 2), ("data", "seq"))
+    sharding = NamedSharding(mesh, P("data", "seq", None, None))
+    t = 4096
+    x = jax.ShapeDtypeStruct((2, t, 8, 128), BF16, sharding=sharding)
+    g = jax.ShapeDtypeStruct((2, t, 8, 128), F32, sharding=sharding)
+    fn = _grad_of_sum(lambda q, k, v, g: ops.gla(
+        q, k, v, g, backend="mosaic_tpu", sharding=sharding)[0], (0, 1, 2, 3))
+    text = compile_sharded_for_tpu(fn, mesh, x, x, x, g).as_text()
+    assert "tpu_custom_call" in text
+    found = re.findall(r"= \w+\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|"
+                       r"collective-permute|all-to-all)(?:-start)?\(", text)
+    kinds = {kind for _, kind in found}
+    assert kinds <= {"all-gather", "reduce-scatter", "all-reduce"} and "all-gather" in kinds
+    sizes = [[int(d) for d in dims.split(",") if d] for dims, _ in found]
+    assert not any(t in dims or t // 2 in dims for dims in sizes), sizes
+    states = 2 * 2 * 8 * (128 * 128 + 128)  # P x B x H x (K V + K), whole batch
+    assert sum(int(np.prod(dims)) for dims in sizes) <= 4 * states, sizes

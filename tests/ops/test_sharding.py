@@ -71,16 +71,16 @@ def _value_and_grads(fn, args, argnums):
     return out, jax.jit(jax.grad(loss, argnums=argnums))(*args)
 
 
-def _attention_inputs(hkv, segments, h=H):
-    q, k, v = _normal(0, (B, T, h, D)), _normal(1, (B, T, hkv, D)), _normal(2, (B, T, hkv, D))
+def _attention_inputs(hkv, segments, h=H, b=B):
+    q, k, v = _normal(0, (b, T, h, D)), _normal(1, (b, T, hkv, D)), _normal(2, (b, T, hkv, D))
     seg = None
     if segments:
-        seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(3), 0.1, (B, T)), axis=1)
+        seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(3), 0.1, (b, T)), axis=1)
     return q, k, v, seg
 
 
-def _check_attention(sharding, backend, hkv=H, segments=False, causal=True, h=H):
-    q, k, v, seg = _attention_inputs(hkv, segments, h)
+def _check_attention(sharding, backend, hkv=None, segments=False, causal=True, h=H, b=B):
+    q, k, v, seg = _attention_inputs(h if hkv is None else hkv, segments, h, b)
 
     def op(sharding):
         def fn(q, k, v):
@@ -93,13 +93,16 @@ def _check_attention(sharding, backend, hkv=H, segments=False, causal=True, h=H)
     _assert_trees_close(got, want)
 
 
-def _check_gla(sharding, backend, gate="key", segments=False, mode="chunk"):
+def _check_gla(sharding, backend, gate="key", segments=False, mode="chunk", b=B, h=H):
+    """segments: False, True (random ids) or a [B, T] array of ids."""
     kd = vd = 64
-    q, k, v = _normal(0, (B, T, H, kd)), _normal(1, (B, T, H, kd)), _normal(2, (B, T, H, vd))
-    g = jax.nn.log_sigmoid(_normal(3, (B, T, H, kd) if gate == "key" else (B, T, H)))
-    s0 = _normal(4, (B, H, kd, vd))
-    seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(5), 0.1, (B, T)), axis=1) if segments \
-        else None
+    q, k, v = _normal(0, (b, T, h, kd)), _normal(1, (b, T, h, kd)), _normal(2, (b, T, h, vd))
+    g = None if gate == "none" else jax.nn.log_sigmoid(
+        _normal(3, (b, T, h, kd) if gate == "key" else (b, T, h)))
+    s0 = _normal(4, (b, h, kd, vd))
+    seg = segments if not isinstance(segments, bool) else (
+        jnp.cumsum(jax.random.bernoulli(jax.random.key(5), 0.1, (b, T)), axis=1) if segments
+        else None)
 
     def op(sharding):
         def fn(q, k, v, g, s0):
@@ -109,8 +112,9 @@ def _check_gla(sharding, backend, gate="key", segments=False, mode="chunk"):
         return fn
 
     args = (q, k, v, g, s0)
-    want = _value_and_grads(op(None), args, (0, 1, 2, 3, 4))
-    got = _value_and_grads(op(sharding), args, (0, 1, 2, 3, 4))
+    argnums = (0, 1, 2, 4) if g is None else (0, 1, 2, 3, 4)
+    want = _value_and_grads(op(None), args, argnums)
+    got = _value_and_grads(op(sharding), args, argnums)
     _assert_trees_close(got, want)
 
 
@@ -125,14 +129,19 @@ def test_gla_sharded_matches_unsharded_xla(layout):
                segments=layout.startswith("4x2"))
 
 
-@pytest.mark.parametrize("layout", ["2x4-batch-heads", "8-heads"])
-def test_attention_sharded_matches_unsharded_mosaic_tpu(layout):
-    _check_attention(_sharding(layout), "mosaic_tpu", segments=layout == "2x4-batch-heads")
+# mosaic_tpu in interpret mode costs per (batch row, head): B2 H4 on a (2, 2) mesh.
+SMALL = dict(b=2, h=4)
+SMALL_MESH = ((2, 2), ("data", "model"))
 
 
-@pytest.mark.parametrize("layout", ["2x4-batch-heads", "8-batch"])
-def test_gla_sharded_matches_unsharded_mosaic_tpu(layout):
-    _check_gla(_sharding(layout), "mosaic_tpu", segments=layout == "2x4-batch-heads")
+def test_attention_sharded_matches_unsharded_mosaic_tpu():
+    sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", None, "model"))
+    _check_attention(sharding, "mosaic_tpu", segments=True, hkv=2, **SMALL)
+
+
+def test_gla_sharded_matches_unsharded_mosaic_tpu():
+    sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", None, "model"))
+    _check_gla(sharding, "mosaic_tpu", segments=True, **SMALL)
 
 
 @pytest.mark.parametrize("hkv, heads_mesh", [
@@ -203,19 +212,87 @@ def test_replicated_kv_heads_sum_their_gradients_once():
     assert 1 <= counts["all-reduce"] <= 2
 
 
-@pytest.mark.parametrize("spec, error, match", [
-    (P(None, None, None, "x"), ValueError, "splits the head dim"),
-    (P(None, "x"), NotImplementedError, "context parallelism"),
-    (P("x", None, None, None, None), ValueError, "at most 4"),
+@pytest.mark.parametrize("spec, match", [
+    (P(None, None, None, "x"), "splits the head dim"),
+    (P("x", None, None, None, None), "at most 4"),
 ])
-def test_specs_the_ops_cannot_serve_are_refused(spec, error, match):
+def test_specs_the_ops_cannot_serve_are_refused(spec, match):
     mesh = _mesh((2,), ("x",))
     q = _normal(0, (2, 16, 2, D))
     g = jax.nn.log_sigmoid(q)
-    with pytest.raises(error, match=match):
+    with pytest.raises(ValueError, match=match):
         ops.flash_attention(q, q, q, backend="xla", sharding=NamedSharding(mesh, spec))
-    with pytest.raises(error, match=match):
+    with pytest.raises(ValueError, match=match):
         ops.gla(q, q, q, g, backend="xla", sharding=NamedSharding(mesh, spec))
+
+
+def test_attention_over_a_split_time_axis_is_not_implemented():
+    q = _normal(0, (2, 16, 2, D))
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        ops.flash_attention(q, q, q, backend="xla",
+                            sharding=NamedSharding(_mesh((2,), ("x",)), P(None, "x")))
+
+
+def test_gla_time_axis_that_does_not_divide_t_is_refused():
+    q = _normal(0, (2, 18, 2, D))  # T = 18 on 4 devices
+    with pytest.raises(ValueError, match=r"time dim \(18\).*4 devices"):
+        ops.gla(q, q, q, backend="xla", sharding=NamedSharding(_mesh((4,), ("x",)), P(None, "x")))
+
+
+# Context-parallel GLA: the time axis split (alone or with batch or heads). T = 40 gives blocks
+# of 5, 10 or 20 tokens, none a multiple of a chunk.
+CP_LAYOUTS = {
+    "8-time": ((8,), ("x",), P(None, "x")),
+    "2x4-batch-time": ((2, 4), ("data", "seq"), P("data", "seq")),
+    "4x2-time-heads": ((4, 2), ("seq", "model"), P(None, "seq", "model")),
+    "2x4-time-over-both": ((2, 4), ("data", "seq"), P(None, ("data", "seq"))),
+}
+
+
+def _boundary_segments(b=B):
+    """Segment ids that change at block boundaries of every layout (t = 20, 30, 35), inside
+    blocks (t = 7, 23) and not at all in row 1's second half."""
+    seg = np.zeros((b, T), np.int32)
+    for t in (7, 20, 23, 30, 35):
+        seg[::2, t:] += 1
+    seg[1::2, 10:] += 1
+    return jnp.asarray(seg)
+
+
+@pytest.mark.parametrize("layout, gate", [(layout, "key") for layout in CP_LAYOUTS]
+                         + [("2x4-batch-time", "head"), ("4x2-time-heads", "none")])
+def test_context_parallel_gla_matches_unsharded_xla(layout, gate):
+    shape, names, spec = CP_LAYOUTS[layout]
+    _check_gla(NamedSharding(_mesh(shape, names), spec), "xla", gate=gate,
+               segments=_boundary_segments() if gate == "key" else None)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_context_parallel_gla_matches_unsharded_mosaic_tpu(mode):
+    sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", "model"))  # batch and T
+    _check_gla(sharding, "mosaic_tpu", mode=mode,
+               segments=_boundary_segments(2) if mode == "chunk" else None, **SMALL)
+
+
+def test_context_parallel_gla_moves_states_not_tokens():
+    """Forward+backward over 8 time shards: the collectives carry the blocks' states and decays
+    ([P, B, H, K, V] and [P, B, H, K] float32, gathered forward and reduce-scattered backward),
+    nothing of length T."""
+    sharding = NamedSharding(_mesh((8,), ("x",)), P(None, "x"))
+    t, kd = 256, 64
+    x = _normal(0, (B, t, H, kd))
+    g = jax.nn.log_sigmoid(x)
+
+    def loss(q, k, v, g):
+        return jnp.sum(ops.gla(q, k, v, g, backend="xla", sharding=sharding)[0] ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, x, x, g).compile().as_text()
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^=]*? (?:all-gather|all-reduce|reduce-scatter|"
+                        r"collective-permute|all-to-all)(?:-start)?\(", text)
+    assert shapes, "expected the state all-gather"
+    elements = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+    assert sum(elements) <= 2 * 8 * B * H * (kd * kd + kd)
+    assert all(t not in map(int, filter(None, s.split(","))) for s in shapes)
 
 
 def test_mesh_axes_that_do_not_divide_the_dims_are_refused():
@@ -232,3 +309,22 @@ def test_a_sharding_that_is_not_a_named_sharding_is_refused():
     q = _normal(0, (2, 16, 2, D))
     with pytest.raises(ValueError, match="NamedSharding"):
         ops.flash_attention(q, q, q, backend="xla", sharding=P("x"))
+
+
+def test_context_parallel_gla_on_an_explicit_mesh():
+    """T over Explicit mesh axes (jax.make_mesh's default): outputs, final state and gradients."""
+    mesh = _mesh((8,), ("x",), explicit=True)
+    sharding = NamedSharding(mesh, P(None, "x"))
+    q, k, v = _normal(0, (2, T, 2, D)), _normal(1, (2, T, 2, D)), _normal(2, (2, T, 2, D))
+    g = jax.nn.log_sigmoid(_normal(3, (2, T, 2, D)))
+
+    def op(sharding):
+        def fn(q, k, v, g):
+            return ops.gla(q, k, v, g, output_final_state=True, backend="xla",
+                           sharding=sharding)
+        return fn
+
+    want = _value_and_grads(op(None), (q, k, v, g), (0, 1, 2, 3))
+    placed = [jax.device_put(x, sharding) for x in (q, k, v, g)]
+    got = _value_and_grads(op(None), placed, (0, 1, 2, 3))  # sharding from the inputs' types
+    _assert_trees_close(got, want)

@@ -37,6 +37,7 @@ class MeshLayout:
     mesh: object  # jax.sharding.Mesh or AbstractMesh
     batch_axes: tuple[str, ...]
     head_axes: tuple[str, ...]
+    time_axes: tuple[str, ...] = ()
 
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod(self.mesh.shape[a] for a in axes)
@@ -49,9 +50,13 @@ class MeshLayout:
     def head_shards(self) -> int:
         return self.size(self.head_axes)
 
+    @property
+    def time_shards(self) -> int:
+        return self.size(self.time_axes)
+
     def spec(self, *dims: str | None) -> P:
-        """A PartitionSpec from dim roles: "batch", "heads" or None (not split)."""
-        axes = {"batch": self.batch_axes, "heads": self.head_axes}
+        """A PartitionSpec from dim roles: "batch", "heads", "time" or None (not split)."""
+        axes = {"batch": self.batch_axes, "heads": self.head_axes, "time": self.time_axes}
         return P(*(_spec_entry(axes[d]) if d else None for d in dims))
 
     @property
@@ -93,7 +98,8 @@ def _explicit_sharding(q):
     return sharding
 
 
-def resolve_sharding(op_name: str, sharding, q, *, batch: int, heads: int) -> MeshLayout | None:
+def resolve_sharding(op_name: str, sharding, q, *, batch: int, heads: int,
+                     time: int | None = None) -> MeshLayout | None:
     """The mesh layout of a call, or None for a single-device call.
 
     Args:
@@ -101,10 +107,12 @@ def resolve_sharding(op_name: str, sharding, q, *, batch: int, heads: int) -> Me
       sharding: the user's `sharding` argument: None or a NamedSharding for q's [B, T, H, D].
       q: the query array (its type may carry explicit mesh axes, used when sharding is None).
       batch, heads: B and H, which the batch and head mesh axes must divide.
+      time: T where the op runs context parallel over a split time axis (which must divide it);
+        None where it does not.
     Raises:
       ValueError: a sharding that is not a NamedSharding, a spec longer than q's rank, a split
-        head dim, or mesh axes whose sizes do not divide B or H.
-      NotImplementedError: a split time axis (context parallelism is not implemented yet).
+        head dim, or mesh axes whose sizes do not divide B, H or T.
+      NotImplementedError: a split time axis where the op has no context parallelism.
     """
     if sharding is None:
         sharding = _explicit_sharding(q)
@@ -124,20 +132,22 @@ def resolve_sharding(op_name: str, sharding, q, *, batch: int, heads: int) -> Me
         raise ValueError(
             f"{op_name}: sharding's spec {sharding.spec} splits the head dim over "
             f"{spec[HEAD_DIM]!r}; accepted: the batch and head axes (dims 0 and 2).")
-    if spec[TIME] is not None:
+    if spec[TIME] is not None and time is None:
         raise NotImplementedError(
             f"{op_name}: sharding's spec {sharding.spec} splits the time axis over "
-            f"{spec[TIME]!r}: context parallelism is not implemented yet; shard the batch and "
-            "head axes (dims 0 and 2).")
-    layout = MeshLayout(sharding.mesh, _entry_axes(spec[BATCH]), _entry_axes(spec[HEADS]))
+            f"{spec[TIME]!r}: context parallelism is not implemented for {op_name} yet; shard "
+            "the batch and head axes (dims 0 and 2).")
+    layout = MeshLayout(sharding.mesh, _entry_axes(spec[BATCH]), _entry_axes(spec[HEADS]),
+                        _entry_axes(spec[TIME]))
     for name, axes, size in (("batch", layout.batch_axes, batch),
-                             ("heads", layout.head_axes, heads)):
+                             ("heads", layout.head_axes, heads),
+                             ("time", layout.time_axes, time)):
         shards = layout.size(axes)
-        if size % shards:
+        if axes and size % shards:
             raise ValueError(
                 f"{op_name}: sharding's spec {sharding.spec} splits the {name} dim ({size}) "
                 f"over mesh axes {axes} of {shards} devices, which does not divide it.")
-    if layout.batch_shards * layout.head_shards == 1 and layout.mesh.size == 1:
+    if layout.mesh.size == 1:
         return None
     return layout
 

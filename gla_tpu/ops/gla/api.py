@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import functools
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from gla_tpu.ops.common import backends
 from gla_tpu.ops.common.sharding import resolve_sharding, sharded_call
+from gla_tpu.ops.gla import context_parallel
 from gla_tpu.ops.gla.validation import validate_gla
 
 # Each backend is the module gla_tpu.ops.gla.<backend>, implementing
@@ -56,7 +61,9 @@ def gla(
         splits the batch and/or head dims: each device runs the op on its block
         (`jax.shard_map`, no communication); k, v, g, segment_ids, initial_state and the outputs
         follow q. With None, q's own sharding is used where its type carries explicit mesh axes.
-        A split time axis raises NotImplementedError (docs/scale_out.md).
+        A split time axis runs context parallel: each device's block from a zero state, one
+        all-gather of the blocks' [B, H, K, V] states, and the block again from its entering
+        state (docs/scale_out.md).
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32 or None).
@@ -85,11 +92,12 @@ def gla(
             block_sizes=block_sizes, interpret=interpret,
         )
 
-    layout = resolve_sharding("gla", sharding, q, batch=problem.batch, heads=problem.num_heads)
+    layout = resolve_sharding("gla", sharding, q, batch=problem.batch, heads=problem.num_heads,
+                              time=problem.seq_len)
     if layout is None:
         return run(q, k, v, g, initial_state, segment_ids)
 
-    def run_local(q, k, v, g, initial_state, segment_ids):
+    def run_local(q, k, v, g, initial_state, segment_ids, output_final_state=output_final_state):
         local, initial_state, segment_ids = validate_gla(
             q, k, v, g, scale=problem.scale, initial_state=initial_state,
             output_final_state=output_final_state, segment_ids=segment_ids, mode=mode,
@@ -97,21 +105,37 @@ def gla(
         )
         return run(q, k, v, g, initial_state, segment_ids, problem=local.with_chunk_size(chunk))
 
-    spec = layout.spec("batch", None, "heads", None)  # q, k, v, per-key g, o
-    gate_spec = None if g is None else spec if g.ndim == 4 else layout.spec("batch", None, "heads")
+    spec = layout.spec("batch", "time", "heads", None)  # q, k, v, per-key g, o
+    gate_spec = None if g is None else spec if g.ndim == 4 else layout.spec("batch", "time",
+                                                                             "heads")
     state_spec = layout.spec("batch", "heads", None, None)
-    return sharded_call(
-        run_local, layout, (q, k, v, g, initial_state, segment_ids),
-        (spec, spec, spec, gate_spec, None if initial_state is None else state_spec,
-         None if segment_ids is None else layout.spec("batch", None)),
-        (spec, state_spec if output_final_state else None))
+    args = (q, k, v, g, initial_state, segment_ids)
+    in_specs = (spec, spec, spec, gate_spec, None if initial_state is None else state_spec,
+                None if segment_ids is None else layout.spec("batch", "time"))
+    if not layout.time_axes:
+        return sharded_call(run_local, layout, args, in_specs,
+                            (spec, state_spec if output_final_state else None))
+    # Context parallelism: initial_state is read on every time shard, so its gradient is summed
+    # over them; the final state comes out once per time shard and the last one's is returned.
+    o, finals = sharded_call(
+        context_parallel.local_pass(run_local, layout), layout, args, in_specs,
+        (spec, layout.spec("time", "batch", "heads", None, None)),
+        grad_psum_axes=((), (), (), (), layout.time_axes, ()))
+    if not output_final_state:
+        return o, None
+    if layout.explicit:
+        # Explicit axes cannot slice one entry off the split time-shard axis: gather it first
+        # (P states more, only for the final state on an Explicit mesh).
+        finals = jax.reshard(finals, NamedSharding(layout.mesh, P(None, *state_spec)))
+    return o, finals[-1]
 
 
 def _with_mode(mode: str):
     @functools.wraps(gla)
     def op(q, k, v, g=None, **kwargs):
         if "mode" in kwargs:
-            raise ValueError(f"mode is fixed to {mode!r} by this alias; got mode={kwargs['mode']!r}.")
+            raise ValueError(
+                f"mode is fixed to {mode!r} by this alias; got mode={kwargs['mode']!r}.")
         return gla(q, k, v, g, mode=mode, **kwargs)
 
     op.__name__ = op.__qualname__ = f"{mode}_gla"
