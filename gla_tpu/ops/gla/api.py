@@ -62,8 +62,8 @@ def gla(
         (`jax.shard_map`, no communication); k, v, g, segment_ids, initial_state and the outputs
         follow q. With None, q's own sharding is used where its type carries explicit mesh axes.
         A split time axis runs context parallel: each device's block from a zero state, one
-        all-gather of the blocks' [B, H, K, V] states, and the block again from its entering
-        state (docs/scale_out.md).
+        all-gather of the blocks' [B, H, K, V] states, and the outputs corrected by what each
+        block's entering state adds (docs/scale_out.md).
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32 or None).
@@ -118,7 +118,7 @@ def gla(
     # Context parallelism: initial_state is read on every time shard, so its gradient is summed
     # over them; the final state comes out once per time shard and the last one's is returned.
     o, finals = sharded_call(
-        context_parallel.local_pass(run_local, layout), layout, args, in_specs,
+        context_parallel.local_pass(run_local, layout, problem.scale), layout, args, in_specs,
         (spec, layout.spec("time", "batch", "heads", None, None)),
         grad_psum_axes=((), (), (), (), layout.time_axes, ()))
     if not output_final_state:

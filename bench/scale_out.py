@@ -1,0 +1,182 @@
+"""The ops on several devices of one host (docs/scale_out.md): batch sharding, and context-parallel
+GLA, against one device, in one process.
+
+Parts:
+  batch  a training-size forward+backward (flash attention, GLA) with the batch split over every
+         device: the op with `sharding=`, plain `jax.jit` on sharded inputs without it (what a
+         user gets otherwise: an all-gather, or a refusal on TPU), and one device alone.
+  cp     GLA forward+backward with T split over every device: weak scaling (T per device fixed)
+         and strong scaling (T fixed), against one device; time and peak memory per device.
+Inputs: q, k, v ~ N(0, 1) in bfloat16, GLA gates logsigmoid(N(0, 1)) per key (fla's op benchmark
+draw), named in every record. Timing: bench/harness.py's time_jitted (warmup, one
+block_until_ready per batch of iterations, median of repeats).
+
+Usage (on the machine with the devices):
+  python bench/scale_out.py --part batch --part cp --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from bench.harness import environment, format_table, peak_memory_bytes, time_jitted  # noqa: E402
+from bench.harness import write_json  # noqa: E402
+from gla_tpu import ops  # noqa: E402
+from gla_tpu.ops.common.flops import attention_flops, gla_flops  # noqa: E402
+
+GATE = "logsigmoid(N(0,1))"
+_DEVICES = None  # the devices used (--devices)
+
+
+def _devices():
+    return _DEVICES or jax.devices()
+
+
+def _inputs(shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s, np.float32) for s in shapes]
+
+
+def _grads(loss_fn, argnums):
+    return jax.grad(loss_fn, argnums=argnums)
+
+
+def _attention_loss(sharding, backend):
+    def loss(q, k, v, ct):
+        o = ops.flash_attention(q, k, v, causal=True, backend=backend, sharding=sharding)
+        return jnp.sum(o.astype(jnp.float32) * ct)
+    return loss
+
+
+def _gla_loss(sharding, backend):
+    def loss(q, k, v, g, ct):
+        o, _ = ops.gla(q, k, v, g, backend=backend, sharding=sharding)
+        return jnp.sum(o.astype(jnp.float32) * ct)
+    return loss
+
+
+def _place(arrays, dtypes, sharding):
+    return [jax.device_put(jnp.asarray(a, d), sharding) for a, d in zip(arrays, dtypes)]
+
+
+def _record(records, path, **rec):
+    records.append(rec)
+    write_json(path, records)
+    ms = rec.get("ms_median")
+    print(f"{rec['part']:6s} {rec['op']:10s} {rec['impl']:28s} devices={rec['devices']} "
+          f"{rec['shape']} {'-' if ms is None else f'{ms:.3f} ms'} "
+          f"{rec.get('error', '')[:100]}", flush=True)
+
+
+def _time(records, path, fn, args, *, flops, devices, **rec):
+    try:
+        t = time_jitted(fn, *args, warmup=2, iters=5, repeats=5)
+        mem = [peak_memory_bytes(d) for d in devices]
+        _record(records, path, ms_median=t.median_ms, ms_min=t.min_ms, ms_max=t.max_ms,
+                tflops_per_device=flops / (t.median_ms * 1e-3) / 1e12 / len(devices),
+                peak_bytes_per_device=mem, devices=len(devices), **rec)
+    except Exception as e:  # a variant that fails is recorded, the others still run
+        _record(records, path, ms_median=None, devices=len(devices),
+                error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", **rec)
+
+
+def bench_batch(records, path, env, backend, t=4096):
+    devices = _devices()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("data",))
+    split, one = NamedSharding(mesh, P("data")), NamedSharding(Mesh(np.array(devices[:1]),
+                                                                     ("one",)), P())
+    b, h, d = 2 * n, 16, 128
+    bf = jnp.bfloat16
+    q, k, v, ct = _inputs([(b, t, h, d)] * 4)
+    g = np.log(1.0 / (1.0 + np.exp(-_inputs([(b, t, h, d)], seed=1)[0])))  # logsigmoid(N(0,1))
+    cases = [
+        ("attention", _attention_loss, [q, k, v, ct], [bf, bf, bf, jnp.float32], (0, 1, 2),
+         attention_flops(b, t, t, h, d, causal=True, backward=True)),
+        ("gla", _gla_loss, [q, k, v, g, ct], [bf, bf, bf, jnp.float32, jnp.float32],
+         (0, 1, 2, 3), gla_flops(b, t, h, d, d, backward=True)),
+    ]
+    for op, make_loss, arrays, dtypes, argnums, flops in cases:
+        common = dict(part="batch", op=op, shape=[b, t, h, d], backend=backend, gate=GATE,
+                      env=env, flops=flops)
+        _time(records, path, _grads(make_loss(split, backend), argnums),
+              _place(arrays, dtypes, split), devices=devices, impl="sharding= (shard_map)",
+              **common)
+        _time(records, path, _grads(make_loss(None, backend), argnums),
+              _place(arrays, dtypes, split), devices=devices,
+              impl="plain jit on sharded inputs", **common)
+        _time(records, path, _grads(make_loss(None, backend), argnums),
+              _place(arrays, dtypes, one), devices=devices[:1], impl="one device", **common)
+
+
+def bench_context_parallel(records, path, env, backend, lengths):
+    devices = _devices()
+    n = len(devices)
+    b, h, kd = 1, 16, 128
+    bf = jnp.bfloat16
+    mesh = Mesh(np.array(devices), ("seq",))
+    split = NamedSharding(mesh, P(None, "seq"))
+    one = NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())
+    for t_local in lengths:
+        runs = [("one device", t_local, one, devices[:1]),  # weak scaling's baseline
+                ("context parallel (weak)", t_local * n, split, devices),
+                ("context parallel (strong)", t_local, split, devices)]
+        for impl, t, sharding, devs in runs:
+            if n == 1 and impl != "one device":
+                continue
+            q, k, v, ct = _inputs([(b, t, h, kd)] * 4)
+            g = np.log(1.0 / (1.0 + np.exp(-_inputs([(b, t, h, kd)], seed=1)[0])))
+            args = _place([q, k, v, g, ct], [bf, bf, bf, jnp.float32, jnp.float32], sharding)
+            loss = _gla_loss(sharding if len(devs) > 1 else None, backend)
+            _time(records, path, _grads(loss, (0, 1, 2, 3)), args, devices=devs, impl=impl,
+                  part="cp", op="gla", shape=[b, t, h, kd, kd], backend=backend, gate=GATE,
+                  env=env, flops=gla_flops(b, t, h, kd, kd, backward=True),
+                  t_local=t // len(devs))
+            del args
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", action="append", choices=["batch", "cp"], required=True)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="scale_out")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--cp-lengths", default="32768,65536",
+                        help="comma-separated T per device for the context-parallel part")
+    parser.add_argument("--batch-t", type=int, default=4096, help="T of the batch part")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="use the first N devices (default: all)")
+    args = parser.parse_args(argv)
+    global _DEVICES
+    _DEVICES = jax.devices()[: args.devices] if args.devices else jax.devices()
+    env = environment()
+    env["devices"] = [str(d) for d in _devices()]
+    records, path = [], os.path.join(args.out, f"{args.tag}.json")
+    for part in args.part:
+        try:
+            if part == "batch":
+                bench_batch(records, path, env, args.backend, args.batch_t)
+            else:
+                lengths = [int(x) for x in args.cp_lengths.split(",")]
+                bench_context_parallel(records, path, env, args.backend, lengths)
+        except Exception:
+            traceback.print_exc()
+    rows = [dict(r, shape=str(tuple(r["shape"]))) for r in records]
+    print(format_table(rows, ["part", "op", "impl", "devices", "shape", "ms_median",
+                              "tflops_per_device", "error"]))
+
+
+if __name__ == "__main__":
+    main()
