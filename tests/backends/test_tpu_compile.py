@@ -186,8 +186,8 @@ def test_sharded_program_compiles_for_a_4_chip_slice_without_collectives(op, gen
 
     mesh = tpu_slice_mesh(generation, (2, 2), ("data", "model"))
     sharding = NamedSharding(mesh, P("data", None, "model", None))
-    x = jax.ShapeDtypeStruct((4, 1024, 8, 128), BF16, sharding=sharding)
-    g = jax.ShapeDtypeStruct((4, 1024, 8, 128), F32, sharding=sharding)
+    x = jax.ShapeDtypeStruct((4, 1024, 4, 128), BF16, sharding=sharding)
+    g = jax.ShapeDtypeStruct((4, 1024, 4, 128), F32, sharding=sharding)
     if op == "attention":
         fn = _grad_of_sum(lambda q, k, v: ops.flash_attention(
             q, k, v, causal=True, backend="mosaic_tpu", sharding=sharding), (0, 1, 2))
@@ -232,9 +232,9 @@ def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
 
     mesh = tpu_slice_mesh(generation, (2, 2), ("data", "seq"))
     sharding = NamedSharding(mesh, P("data", "seq", None, None))
-    t = 2048
-    x = jax.ShapeDtypeStruct((2, t, 8, 128), BF16, sharding=sharding)
-    g = jax.ShapeDtypeStruct((2, t, 8, 128), F32, sharding=sharding)
+    t = 1024
+    x = jax.ShapeDtypeStruct((2, t, 4, 128), BF16, sharding=sharding)
+    g = jax.ShapeDtypeStruct((2, t, 4, 128), F32, sharding=sharding)
     fn = _grad_of_sum(lambda q, k, v, g: ops.gla(
         q, k, v, g, backend="mosaic_tpu", sharding=sharding)[0], (0, 1, 2, 3))
     text = compile_sharded_for_tpu(fn, mesh, x, x, x, g).as_text()
@@ -245,5 +245,5 @@ def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
     assert kinds <= {"all-gather", "reduce-scatter", "all-reduce"} and "all-gather" in kinds
     sizes = [[int(d) for d in dims.split(",") if d] for dims, _ in found]
     assert not any(t in dims or t // 2 in dims for dims in sizes), sizes
-    states = 2 * 2 * 8 * (128 * 128 + 128)  # P x B x H x (K V + K), whole batch
+    states = 2 * 2 * 4 * (128 * 128 + 128)  # P x B x H x (K V + K), whole batch
     assert sum(int(np.prod(dims)) for dims in sizes) <= 4 * states, sizes
