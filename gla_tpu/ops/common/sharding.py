@@ -10,8 +10,10 @@ Autodiff: `sharded_call` is a `jax.custom_vjp` whose forward runs `jax.vjp` of t
 one shard_map and hands the pullback's residuals out, one slot per device (a leading axis over
 every mesh axis, so no residual moves between devices), and whose backward runs the pullback
 inside a second shard_map. Differentiating through the shard_map instead would leave the
-transpose to shard_map's replication analysis; this way the only collective in the backward is
-the one a caller asks for (`grad_psum_axes`: kv heads replicated over the head axis).
+transpose to shard_map's replication analysis; this way the backward's collectives are the
+transposes of those the local function itself runs (context-parallel GLA's all-gathers) and the
+sums a caller asks for (`grad_psum_axes`: kv heads replicated over the head axes, an initial state
+read on every time shard).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 # [B, T, H, D]: which axis of q each spec entry shards.
 BATCH, TIME, HEADS, HEAD_DIM = range(4)
-_AXIS_NAMES = ("batch", "time", "heads", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
