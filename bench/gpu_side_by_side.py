@@ -362,14 +362,14 @@ def bench_gla_breakdown(ctx, b=4, t=4096, h=16, kd=128, vd=128):
             k, v, b, None, None, None, geo=geo, reverse=False, interpret=False),
         "bounded_flags": lambda b: kernels_intra.bounded_chunks(b, geo.chunk),
         "intra_scores": lambda q, k, b, f: kernels_intra.intra_scores(q, k, b, None, f, geo=geo,
-                                                             interpret=False),
+                                                                     interpret=False),
         "chunk_output": lambda q, b, a, v, s: kernels_output.chunk_output(q, b, None, a, v, s, geo=geo,
                                                                 interpret=False),
         "state_pass_rev": lambda q, do, b, s: kernels_state.state_pass(
             q, do, b, None, None, s, geo=geo, reverse=True, interpret=False),
         "chunk_da": lambda do, v: kernels_intra.chunk_da(do, v, None, geo=geo, interpret=False),
         "chunk_dqk": lambda q, k, v, do, b, da, s, ds, f: kernels_intra.chunk_dqk(
-            q, k, v, do, b, da, None, None, None, None, s, ds, f, geo=geo, interpret=False),
+            q, k, v, do, b, *da, None, None, None, None, s, ds, f, geo=geo, interpret=False),
         "chunk_dv": lambda k, b, a, do, ds: kernels_output.chunk_dv(k, b, None, a, do, ds, geo=geo,
                                                           interpret=False),
     }

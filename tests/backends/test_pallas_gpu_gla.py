@@ -1,6 +1,7 @@
 """What is particular to the "pallas_gpu" GLA (tests/ops/test_gla.py checks its numerics with every
-other backend): both paths of the intra-chunk products, the few-token (decode) kernel on its own,
-lowering to Triton IR for a Hopper target; parity on a CUDA GPU under marker gpu."""
+other backend): both paths of the intra-chunk products under weak to very strong gates, the
+few-token (decode) kernel on its own, lowering to Triton IR for a Hopper target; parity on a CUDA
+GPU under marker gpu."""
 
 from __future__ import annotations
 
@@ -28,20 +29,23 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-# Inputs that send the chunks down each path of the intra-chunk products (kernels_intra.py):
-# gate strength 4 keeps every chunk bounded (one product per chunk), 0.1 none (sub-chunks and
-# elementwise diagonal blocks); strength 1 at T=200 mixes both: the full chunks decay past the
-# bound, the last one (8 tokens and padding) does not (checked below). The unmixed paths run in
-# the matrix of tests/ops/test_gla.py (strengths 16 and 0.1); here both paths in one call.
-@pytest.mark.parametrize("gate_strength,dtype", [(1.0, jnp.float32), (1.0, jnp.bfloat16)])
-def test_interpret_parity_both_paths_in_one_call(gate_strength, dtype):
+# The two paths of the intra-chunk products (kernels_intra.py), per chunk: gate strength 16
+# (fla's GLA layer default, about -0.05 a token) keeps every chunk bounded (one product per chunk),
+# 1 (fla's benchmark draw, about -0.8) mixes both at T = 200 (the full chunks decay past the bound,
+# the last one, 8 tokens and padding, does not; checked below), 1e-3 (about -800 a token, where
+# every pair but a token with itself underflows) takes the exact one everywhere; with segments,
+# an initial state and a partial last chunk. Float32 at strengths 16 and 1 runs in the matrix of
+# tests/ops/test_gla.py.
+@pytest.mark.parametrize("gate_strength,dtype", [(16.0, jnp.bfloat16), (1.0, jnp.bfloat16),
+                                                 (1e-3, jnp.bfloat16), (1e-3, jnp.float32)])
+def test_interpret_parity_any_gate(gate_strength, dtype):
     case = GLACase(1, 200, 2, 64, 64, gate="key", initial_state=True, segments=True,
                    gate_strength=gate_strength)
     check_gla_parity(case, jax.random.key(5), dtype=dtype, backend="pallas_gpu",
                      interpret=True)
 
 
-@pytest.mark.parametrize("gate_strength,expected", [(4.0, "all"), (1.0, "mixed"), (0.1, "none")])
+@pytest.mark.parametrize("gate_strength,expected", [(16.0, "all"), (1.0, "mixed"), (1e-3, "none")])
 def test_gate_strengths_reach_the_paths(gate_strength, expected):
     case = GLACase(1, 200, 2, 64, 64, gate="key", gate_strength=gate_strength)
     g = pad_time(make_gla_inputs(case, jax.random.key(5))["g"], 64)
@@ -66,12 +70,18 @@ def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments):
     with hopper_target():
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
             q, q, v, g, s0, seg).lower(lowering_platforms=("cuda",))
-    # forward: state pass, intra scores, output; backward: reverse state pass, dA, dq/dk, dv
-    assert lowered.as_text().count("xla.gpu.triton") == 7
+    # forward: state pass, intra scores (per chunk and per sub-chunk, one chosen at run time),
+    # output; backward: reverse state pass, dA, dq/dk (both ways), dv
+    assert lowered.as_text().count("xla.gpu.triton") == 9
 
 
+# Gate strengths 1 (fla's benchmark draw), 16 (fla's GLA layer default) and 1e-3 (about -800 a
+# token) at T = 4096 and at K, V = 256, 512.
 GPU_CASES = [
     GLACase(1, 4096, 2, 64, 64, gate="key"),
+    GLACase(1, 4096, 2, 128, 128, gate="key", gate_strength=16.0, initial_state=True),
+    GLACase(1, 4096, 2, 128, 128, gate="key", gate_strength=1e-3, segments=True),
+    GLACase(1, 1024, 2, 256, 512, gate="key", gate_strength=1e-3, initial_state=True),
     GLACase(2, 1024, 4, 128, 128, gate="key", initial_state=True),
     GLACase(1, 1024, 2, 256, 512, gate="key"),
     GLACase(1, 1024, 2, 64, 192, gate="key", gate_strength=0.1, initial_state=True),

@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
@@ -37,9 +38,14 @@ def _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
     b = chunk_local_cumsum(g, geo.chunk, method="triangular")  # [B, Tp, H, K] float32
     states, final = kernels_state.state_pass(k, v, b, last, keep, s0, geo=geo, reverse=False,
                                              interpret=interpret)
-    # [B, H, N]: chunks whose intra products take one whole-chunk product (kernels_intra.py)
+    # [B, H, N]: chunks whose intra products take one whole-chunk product (kernels_intra.py);
+    # when every chunk does, the kernels run one program per chunk instead of per sub-chunk
     bounded = kernels_intra.bounded_chunks(b, geo.chunk)
-    a = kernels_intra.intra_scores(q, k, b, seg, bounded, geo=geo, interpret=interpret)
+    a = lax.cond(jnp.all(bounded > 0),
+                 lambda: kernels_intra.intra_scores(q, k, b, seg, bounded, geo=geo,
+                                                    interpret=interpret, all_bounded=True),
+                 lambda: kernels_intra.intra_scores(q, k, b, seg, bounded, geo=geo,
+                                                    interpret=interpret))
     o = kernels_output.chunk_output(q, b, reach, a, v, states, geo=geo, interpret=interpret)
     residuals = (q, k, v, b, s0, seg, reach, last, keep, start, a, states, bounded)
     return (o, final), residuals
@@ -52,9 +58,14 @@ def _chunked_bwd(geo, interpret, residuals, cotangents):
     dfinal = dfinal.astype(jnp.float32)
     dstates, ds0 = kernels_state.state_pass(q, do, b, reach, keep, dfinal, geo=geo,
                                             reverse=True, interpret=interpret)
-    da = kernels_intra.chunk_da(do, v, seg, geo=geo, interpret=interpret)
-    dq, dk, dg = kernels_intra.chunk_dqk(q, k, v, do, b, da, reach, last, start, keep, states,
-                                         dstates, bounded, geo=geo, interpret=interpret)
+    da, da_t = kernels_intra.chunk_da(do, v, seg, geo=geo, interpret=interpret)
+    dq, dk, dg = lax.cond(
+        jnp.all(bounded > 0),
+        lambda: kernels_intra.chunk_dqk(q, k, v, do, b, da, da_t, reach, last, start, keep, states,
+                                        dstates, bounded, geo=geo, interpret=interpret,
+                                        all_bounded=True),
+        lambda: kernels_intra.chunk_dqk(q, k, v, do, b, da, da_t, reach, last, start, keep, states,
+                                        dstates, bounded, geo=geo, interpret=interpret))
     dv = kernels_output.chunk_dv(k, b, last, a, do, dstates, geo=geo, interpret=interpret)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, None if s0 is None else ds0,
             None, None, None, None, None)
