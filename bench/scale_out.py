@@ -7,6 +7,9 @@ Parts:
          user gets otherwise: an all-gather, or a refusal on TPU), and one device alone.
   cp     GLA forward+backward with T split over every device: weak scaling (T per device fixed)
          and strong scaling (T fixed), against one device; time and peak memory per device.
+  lm     a GLA language model's training step (loss, gradients, AdamW update) through
+         `lm.apply(..., sharding=)` on a (data, seq) mesh of every device (data 2 from 4 devices
+         on), against the same step on one device; random tokens.
 Inputs: q, k, v ~ N(0, 1) in bfloat16, GLA gates logsigmoid(N(0, 1)) per key (fla's op benchmark
 draw), named in every record. Timing: bench/harness.py's time_jitted (warmup, one
 block_until_ready per batch of iterations, median of repeats).
@@ -147,15 +150,59 @@ def bench_context_parallel(records, path, env, backend, lengths):
             del args
 
 
+def bench_lm_step(records, path, env, backend, t, d_model, num_layers, vocab=4096):
+    import optax
+
+    from gla_tpu.layers import block, lm, training
+
+    devices = _devices()
+    n = len(devices)
+    data = 2 if n >= 4 and n % 2 == 0 else 1
+    mesh = Mesh(np.array(devices).reshape(data, n // data), ("data", "seq"))
+    b = 2 * data
+    blk = block.Config(d_model=d_model, num_heads=max(1, d_model // 256), attention="gla",
+                       backend=backend)
+    cfg = lm.Config(vocab_size=vocab, num_layers=num_layers, block=blk, dtype="bfloat16")
+    params = lm.init(jax.random.key(0), cfg)
+    tx = training.adamw(1e-3)
+    tokens = np.random.default_rng(0).integers(0, vocab, (b, t + 1)).astype(np.int32)
+
+    def make_step(sharding):
+        def step(params, opt_state, tokens):
+            def loss(p):
+                logits, _ = lm.apply(p, tokens[:, :-1], cfg, sharding=sharding)
+                return lm.cross_entropy(logits, tokens[:, 1:])
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+        return step
+
+    flops = 6 * lm.num_params(params) * b * t  # dense layers only, the usual estimate
+    runs = [("lm.apply(sharding=P('data', 'seq'))", NamedSharding(mesh, P("data", "seq")),
+             NamedSharding(mesh, P()), NamedSharding(mesh, P("data")), devices),
+            ("one device", None, *[NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())] * 2,
+             devices[:1])]
+    for impl, sharding, replicated, token_sharding, devs in runs:
+        placed = jax.device_put(params, replicated)
+        args = (placed, jax.device_put(tx.init(params), replicated),
+                jax.device_put(tokens, token_sharding))
+        _time(records, path, make_step(sharding), args, flops=flops, devices=devs, impl=impl,
+              part="lm", op="gla_lm_step", shape=[b, t, d_model, num_layers], backend=backend,
+              gate="the model's (logsigmoid / 16)", env=env, mesh=[data, n // data])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", action="append", choices=["batch", "cp"], required=True)
+    parser.add_argument("--part", action="append", choices=["batch", "cp", "lm"], required=True)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="scale_out")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--cp-lengths", default="32768,65536",
                         help="comma-separated T per device for the context-parallel part")
     parser.add_argument("--batch-t", type=int, default=4096, help="T of the batch part")
+    parser.add_argument("--lm", default="4096,1024,4",
+                        help="T, d_model, layers of the lm part's model")
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N devices (default: all)")
     args = parser.parse_args(argv)
@@ -168,6 +215,9 @@ def main(argv=None):
         try:
             if part == "batch":
                 bench_batch(records, path, env, args.backend, args.batch_t)
+            elif part == "lm":
+                bench_lm_step(records, path, env, args.backend,
+                              *[int(x) for x in args.lm.split(",")])
             else:
                 lengths = [int(x) for x in args.cp_lengths.split(",")]
                 bench_context_parallel(records, path, env, args.backend, lengths)

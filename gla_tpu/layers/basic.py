@@ -105,6 +105,21 @@ def check_segment_ids(segment_ids, batch: int, length: int) -> None:
     checks.check_shape("segment_ids", segment_ids, (batch, length), "[B, T] of the input")
 
 
+def check_activation_sharding(sharding) -> None:
+    """`sharding` must be None or a NamedSharding whose spec names at most the batch and time
+    axes of [B, T, ...] activations (ValueError otherwise)."""
+    if sharding is None:
+        return
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise ValueError(
+            "sharding must be None or a jax.sharding.NamedSharding for the [batch, time] axes; "
+            f"got {sharding!r}.")
+    if len(sharding.spec) > 2:
+        raise ValueError(
+            f"sharding's spec {sharding.spec} has {len(sharding.spec)} entries; the layers take "
+            "the batch and time axes only, e.g. P('data', 'seq').")
+
+
 def check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}.")

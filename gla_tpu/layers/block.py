@@ -85,15 +85,16 @@ def init_state(config: Config, batch: int, max_len: int, dtype=jnp.bfloat16):
     return gla_layer.init_state(config.attention_config(), batch)
 
 
-def apply(params, x, config: Config, *, state=None, segment_ids=None):
+def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=None):
     """[B, T, d_model] -> ([B, T, d_model] in x's dtype, the attention layer's new state or None).
 
-    `state` and `segment_ids` go to the attention layer (see its `apply`).
+    `state`, `segment_ids` and `sharding` go to the attention layer (see its `apply`).
     """
     with jax.named_scope(f"block_{config.attention}"):
         h = rms_norm(params["attn_norm"], x, eps=config.norm_eps)
         a, new_state = config.attention_module().apply(
-            params["attn"], h, config.attention_config(), state=state, segment_ids=segment_ids
+            params["attn"], h, config.attention_config(), state=state, segment_ids=segment_ids,
+            sharding=sharding,
         )
         x = x + a
         h = rms_norm(params["mlp_norm"], x, eps=config.norm_eps)

@@ -158,7 +158,7 @@ def log_gate(params, x, config: Config):
     return g.reshape(shape)
 
 
-def apply(params, x, config: Config, *, state=None, segment_ids=None):
+def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=None):
     """Gated linear attention over a sequence.
 
     Args:
@@ -169,6 +169,9 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None):
         used as ops.gla's initial_state; the final state is then returned.
       segment_ids: [B, T] int ids for packed sequences: the state resets where the id changes
         (a given state applies to each row's first segment).
+      sharding: None, or a NamedSharding over x's batch and time axes, e.g.
+        NamedSharding(mesh, P("data", "seq")): ops.gla runs batch-sharded and, with a time axis,
+        context parallel (docs/scale_out.md).
     Returns:
       (y [B, T, d_model] in x's dtype, the final state [B, H, K, V] float32, or None without state).
 
@@ -195,7 +198,7 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None):
         o, new_state = ops.gla(
             q, k, v, g, initial_state=state, output_final_state=state is not None,
             segment_ids=segment_ids, mode=mode, chunk_size=config.chunk_size,
-            backend=config.backend,
+            backend=config.backend, sharding=sharding,
         )  # o: [B, T, H, V] in x's dtype
         o = rms_norm(params["norm"], o.astype(jnp.float32), eps=config.norm_eps)
         if config.use_output_gate:

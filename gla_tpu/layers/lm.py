@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from gla_tpu.layers import block
 from gla_tpu.layers.basic import (
+    check_activation_sharding,
     check_positive,
     check_segment_ids,
     dense_init,
@@ -67,7 +68,7 @@ def init_state(config: Config, batch: int, max_len: int):
             for _ in range(config.num_layers)]
 
 
-def apply(params, tokens, config: Config, *, state=None, segment_ids=None):
+def apply(params, tokens, config: Config, *, state=None, segment_ids=None, sharding=None):
     """Logits for every position.
 
     Args:
@@ -77,6 +78,11 @@ def apply(params, tokens, config: Config, *, state=None, segment_ids=None):
       state: None, or the per-layer states from `init_state` / a previous call to continue from.
       segment_ids: [B, T] int ids for packed sequences (full sequence only): tokens see only their
         own segment (a maximal run of equal ids), as if each segment were its own row.
+      sharding: None, or a NamedSharding over tokens' [batch, time] axes, e.g.
+        NamedSharding(mesh, P("data", "seq")), for data and sequence parallelism under jit:
+        the tokens are constrained to it and every attention op runs on the mesh (GLA kinds
+        context parallel over a time axis; softmax attention takes batch axes only). The
+        partitioner shards the rest from the inputs' and parameters' shardings.
     Returns:
       (logits [B, T, vocab] float32, new per-layer states or None).
 
@@ -90,17 +96,21 @@ def apply(params, tokens, config: Config, *, state=None, segment_ids=None):
     checks.check_integer("tokens", tokens)
     b, t = tokens.shape
     check_segment_ids(segment_ids, b, t)
+    check_activation_sharding(sharding)
     if state is not None and len(state) != config.num_layers:
         raise ValueError(
             f"state must hold num_layers={config.num_layers} layer states; got {len(state)}."
         )
     dtype = jnp.dtype(config.dtype)
     with jax.named_scope("lm"):
+        if sharding is not None:
+            tokens = jax.lax.with_sharding_constraint(tokens, sharding)
         x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, d_model]
         new_states = []
         for i, layer_params in enumerate(params["blocks"]):
             x, s = block.apply(layer_params, x, config.block,
-                               state=None if state is None else state[i], segment_ids=segment_ids)
+                               state=None if state is None else state[i], segment_ids=segment_ids,
+                               sharding=sharding)
             new_states.append(s)
         x = rms_norm(params["final_norm"], x, eps=config.block.norm_eps)
         if config.tie_embeddings:

@@ -89,7 +89,7 @@ def init_state(config: Config, batch: int, max_len: int, dtype=jnp.bfloat16):
             "pos": jnp.zeros((), jnp.int32)}
 
 
-def apply(params, x, config: Config, *, state=None, segment_ids=None):
+def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=None):
     """Causal self-attention.
 
     Args:
@@ -99,6 +99,9 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None):
       state: None for a full sequence, or a KV cache from `init_state` / a previous call.
       segment_ids: [B, T] int ids for packed sequences (full sequence only): a token attends only
         within its segment, a maximal run of equal ids; RoPE positions restart per segment.
+      sharding: None, or a NamedSharding over x's batch (and time) axes for the full-sequence
+        path: ops.flash_attention runs batch-sharded; a split time axis raises
+        NotImplementedError (no ring attention yet, docs/scale_out.md).
     Returns:
       (y [B, T, d_model] in x's dtype, the updated cache or None).
 
@@ -126,7 +129,8 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None):
             k = rotary(k, positions, base=config.rope_base)
         if state is None:
             seg = None if segment_ids is None else segment_index(segment_ids)
-            o = ops.flash_attention(q, k, v, causal=True, segment_ids=seg, backend=config.backend)
+            o = ops.flash_attention(q, k, v, causal=True, segment_ids=seg, backend=config.backend,
+                                    sharding=sharding)
             new_state = None
         else:
             o, new_state = _attend_with_cache(q, k, v, state, config)
