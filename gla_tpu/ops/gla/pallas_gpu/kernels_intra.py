@@ -132,9 +132,7 @@ def _bounded_rows(q_ref, k_ref, b_ref, seg_ref, a_ref, rows, n_rows: int, geo: C
 
 
 def _intra_kernel(flag_ref, q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGeometry):
-    """Rows of sub-chunk i of A. Bounded chunk: one product per K block. Other chunks: the keys of
-    other sub-chunks as one product per K block, stored outside the diagonal block, then the
-    diagonal block one key column at a time (each entry is written once)."""
+    """Rows of sub-chunk i of A, by the chunk's path."""
     i = pl.program_id(3)  # sub-chunk of rows
     bounded = _read_flag(flag_ref)
 
@@ -153,6 +151,9 @@ def _whole_chunk_kernel(q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGeomet
 
 
 def _exact_rows(q_ref, k_ref, b_ref, seg_ref, a_ref, i, geo: ChunkGeometry):
+    """A's rows of sub-chunk i for any gates: the earlier sub-chunks' keys as one product per K
+    block, stored outside the diagonal block, then the diagonal block one key column at a time
+    (every entry is written once)."""
     c, bk, nk = geo.chunk, geo.block_k, geo.key_dim // geo.block_k
     dt = q_ref.dtype
     rows = _rows(i)
@@ -193,9 +194,8 @@ def _per_chunk(kernel, operands, *, geo: ChunkGeometry, interpret, name: str,
                row_blocks: int = 1, n_out: int = 1):
     """The pallas_call of intra_scores and chunk_da: grid (B, H, N, row_blocks), output
     [B, H, Tp, C] float32 (chunk n's [C, C] block, C / row_blocks rows per program; n_out of
-    them). Each operand
-    is None, a per-chunk flag [B, H, N], a per-token row [B, Tp] or a token array [B, Tp, H, D]
-    (chunk n's rows, all of D)."""
+    them). Each operand is None, a per-chunk flag [B, H, N], a per-token row [B, Tp] or a token
+    array [B, Tp, H, D] (chunk n's rows, all of D)."""
     tokens = next(x for x in operands if x is not None and x.ndim == 4)
     bsz, tp, h, _ = tokens.shape
     c = geo.chunk
