@@ -26,6 +26,15 @@ from gla_tpu.ops.gla.pallas_gpu import (
 )
 
 
+def _by_grid(kernel, bounded, *operands, **static):
+    """kernel(*operands, **static) with one program per chunk when every chunk is bounded
+    (all_bounded=True), else one per sub-chunk of rows; chosen at run time (XLA's conditional:
+    on GPU it reads the predicate back to the host once per call)."""
+    return lax.cond(jnp.all(bounded > 0),
+                    functools.partial(kernel, **static, all_bounded=True),
+                    functools.partial(kernel, **static, all_bounded=False), *operands)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
 def chunked(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
     """(o [B, Tp, H, V], final state [B, H, K, V] float32) from inputs padded to whole chunks and
@@ -38,14 +47,10 @@ def _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
     b = chunk_local_cumsum(g, geo.chunk, method="triangular")  # [B, Tp, H, K] float32
     states, final = kernels_state.state_pass(k, v, b, last, keep, s0, geo=geo, reverse=False,
                                              interpret=interpret)
-    # [B, H, N]: chunks whose intra products take one whole-chunk product (kernels_intra.py);
-    # when every chunk does, the kernels run one program per chunk instead of per sub-chunk
+    # [B, H, N]: chunks whose intra products take one whole-chunk product (kernels_intra.py)
     bounded = kernels_intra.bounded_chunks(b, geo.chunk)
-    a = lax.cond(jnp.all(bounded > 0),
-                 lambda: kernels_intra.intra_scores(q, k, b, seg, bounded, geo=geo,
-                                                    interpret=interpret, all_bounded=True),
-                 lambda: kernels_intra.intra_scores(q, k, b, seg, bounded, geo=geo,
-                                                    interpret=interpret))
+    a = _by_grid(kernels_intra.intra_scores, bounded, q, k, b, seg, bounded, geo=geo,
+                 interpret=interpret)
     o = kernels_output.chunk_output(q, b, reach, a, v, states, geo=geo, interpret=interpret)
     residuals = (q, k, v, b, s0, seg, reach, last, keep, start, a, states, bounded)
     return (o, final), residuals
@@ -59,13 +64,8 @@ def _chunked_bwd(geo, interpret, residuals, cotangents):
     dstates, ds0 = kernels_state.state_pass(q, do, b, reach, keep, dfinal, geo=geo,
                                             reverse=True, interpret=interpret)
     da, da_t = kernels_intra.chunk_da(do, v, seg, geo=geo, interpret=interpret)
-    dq, dk, dg = lax.cond(
-        jnp.all(bounded > 0),
-        lambda: kernels_intra.chunk_dqk(q, k, v, do, b, da, da_t, reach, last, start, keep, states,
-                                        dstates, bounded, geo=geo, interpret=interpret,
-                                        all_bounded=True),
-        lambda: kernels_intra.chunk_dqk(q, k, v, do, b, da, da_t, reach, last, start, keep, states,
-                                        dstates, bounded, geo=geo, interpret=interpret))
+    dq, dk, dg = _by_grid(kernels_intra.chunk_dqk, bounded, q, k, v, do, b, da, da_t, reach, last,
+                          start, keep, states, dstates, bounded, geo=geo, interpret=interpret)
     dv = kernels_output.chunk_dv(k, b, last, a, do, dstates, geo=geo, interpret=interpret)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, None if s0 is None else ds0,
             None, None, None, None, None)
