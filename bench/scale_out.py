@@ -7,7 +7,11 @@ Parts:
          user gets otherwise: an all-gather, or a refusal on TPU), and one device alone.
   cp     GLA forward+backward with T split over every device: weak scaling (T per device fixed)
          and strong scaling (T fixed), against one device; time and peak memory per device.
-  lm     a GLA language model's training step (loss, gradients, AdamW update) through
+  ring   causal flash attention forward+backward with T split over every device (ring attention,
+         zigzag-balanced): for each T per device n, one device at n and at P n, and the ring at
+         P n. Strong scaling: one device at P n over P x ring; weak: P x (one device at n) over
+         the ring (causal work per device grows P-fold with T = P n).
+  lm     a language model's (GLA by default) training step (loss, gradients, AdamW update) through
          `lm.apply(..., sharding=)` on a (data, seq) mesh of every device (data 2 from 4 devices
          on), against the same step on one device; random tokens.
 Inputs: q, k, v ~ N(0, 1) in bfloat16, GLA gates logsigmoid(N(0, 1)) per key (fla's op benchmark
@@ -150,7 +154,31 @@ def bench_context_parallel(records, path, env, backend, lengths):
             del args
 
 
-def bench_lm_step(records, path, env, backend, t, d_model, num_layers, vocab=4096):
+def bench_ring(records, path, env, backend, lengths):
+    devices = _devices()
+    n = len(devices)
+    b, h, d = 1, 16, 128
+    bf = jnp.bfloat16
+    split = NamedSharding(Mesh(np.array(devices), ("seq",)), P(None, "seq"))
+    one = NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())
+    for t_local in lengths:
+        runs = [("one device", t_local, one, devices[:1]),
+                ("one device", t_local * n, one, devices[:1]),
+                ("ring attention", t_local * n, split, devices)]
+        for impl, t, sharding, devs in runs:
+            q, k, v, ct = _inputs([(b, t, h, d)] * 4)
+            args = _place([q, k, v, ct], [bf, bf, bf, jnp.float32], sharding)
+            loss = _attention_loss(sharding if len(devs) > 1 else None, backend)
+            _time(records, path, _grads(loss, (0, 1, 2)), args, devices=devs, impl=impl,
+                  part="ring", op="attention", shape=[b, t, h, d], backend=backend,
+                  inputs="q, k, v ~ N(0,1)", env=env,
+                  flops=attention_flops(b, t, t, h, d, causal=True, backward=True),
+                  t_local=t // len(devs))
+            del args
+
+
+def bench_lm_step(records, path, env, backend, t, d_model, num_layers, attention="gla",
+                  vocab=4096):
     import optax
 
     from gla_tpu.layers import block, lm, training
@@ -160,7 +188,7 @@ def bench_lm_step(records, path, env, backend, t, d_model, num_layers, vocab=409
     data = 2 if n >= 4 and n % 2 == 0 else 1
     mesh = Mesh(np.array(devices).reshape(data, n // data), ("data", "seq"))
     b = 2 * data
-    blk = block.Config(d_model=d_model, num_heads=max(1, d_model // 256), attention="gla",
+    blk = block.Config(d_model=d_model, num_heads=max(1, d_model // 256), attention=attention,
                        backend=backend)
     cfg = lm.Config(vocab_size=vocab, num_layers=num_layers, block=blk, dtype="bfloat16")
     params = lm.init(jax.random.key(0), cfg)
@@ -188,21 +216,25 @@ def bench_lm_step(records, path, env, backend, t, d_model, num_layers, vocab=409
         args = (placed, jax.device_put(tx.init(params), replicated),
                 jax.device_put(tokens, token_sharding))
         _time(records, path, make_step(sharding), args, flops=flops, devices=devs, impl=impl,
-              part="lm", op="gla_lm_step", shape=[b, t, d_model, num_layers], backend=backend,
-              gate="the model's (logsigmoid / 16)", env=env, mesh=[data, n // data])
+              part="lm", op=f"{attention}_lm_step", shape=[b, t, d_model, num_layers],
+              backend=backend, env=env, mesh=[data, n // data],
+              gate="the model's (logsigmoid / 16)" if attention != "softmax" else None)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", action="append", choices=["batch", "cp", "lm"], required=True)
+    parser.add_argument("--part", action="append", choices=["batch", "cp", "ring", "lm"],
+                        required=True)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="scale_out")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--cp-lengths", default="32768,65536",
                         help="comma-separated T per device for the context-parallel part")
+    parser.add_argument("--ring-lengths", default="16384,32768",
+                        help="comma-separated T per device for the ring part")
     parser.add_argument("--batch-t", type=int, default=4096, help="T of the batch part")
-    parser.add_argument("--lm", default="4096,1024,4",
-                        help="T, d_model, layers of the lm part's model")
+    parser.add_argument("--lm", default="4096,1024,4,gla",
+                        help="T, d_model, layers[, attention kind] of the lm part's model")
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N devices (default: all)")
     args = parser.parse_args(argv)
@@ -215,9 +247,13 @@ def main(argv=None):
         try:
             if part == "batch":
                 bench_batch(records, path, env, args.backend, args.batch_t)
+            elif part == "ring":
+                bench_ring(records, path, env, args.backend,
+                           [int(x) for x in args.ring_lengths.split(",")])
             elif part == "lm":
-                bench_lm_step(records, path, env, args.backend,
-                              *[int(x) for x in args.lm.split(",")])
+                t, d_model, layers, *kind = args.lm.split(",")
+                bench_lm_step(records, path, env, args.backend, int(t), int(d_model),
+                              int(layers), *kind)
             else:
                 lengths = [int(x) for x in args.cp_lengths.split(",")]
                 bench_context_parallel(records, path, env, args.backend, lengths)

@@ -100,8 +100,8 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=N
       segment_ids: [B, T] int ids for packed sequences (full sequence only): a token attends only
         within its segment, a maximal run of equal ids; RoPE positions restart per segment.
       sharding: None, or a NamedSharding over x's batch (and time) axes for the full-sequence
-        path: ops.flash_attention runs batch-sharded; a split time axis raises
-        NotImplementedError (no ring attention yet, docs/scale_out.md).
+        path: ops.flash_attention runs batch-sharded, and as ring attention over a split time
+        axis (T a multiple of twice its device count; docs/scale_out.md).
     Returns:
       (y [B, T, d_model] in x's dtype, the updated cache or None).
 

@@ -45,15 +45,17 @@ def case_seed(case, *extra) -> int:
 
 
 def check_attention_parity(case: AttentionCase, key=None, *, dtype=jnp.float32, backend="xla",
-                           interpret=False, block_sizes=None, grads=True):
+                           interpret=False, block_sizes=None, grads=True, sharding=None):
     """Asserts the pass rule for flash_attention on `case`; returns the comparisons.
-    `key` defaults to one derived from the case."""
+    `key` defaults to one derived from the case; `sharding` runs the kernel on a mesh (the
+    baseline and the reference stay on one device)."""
     key = jax.random.key(case_seed(case)) if key is None else key
     kernel = functools.partial(flash_attention, causal=case.causal, backend=backend,
-                               interpret=interpret, block_sizes=block_sizes)
+                               interpret=interpret, block_sizes=block_sizes, sharding=sharding)
     inputs = _attention_inputs(case, key, dtype)
     # The "xla" backend with default arguments is the baseline itself: not run twice.
-    k_out = None if _is_baseline(backend, block_sizes) else _run(kernel, inputs, key, dtype, grads)
+    baseline = _is_baseline(backend, block_sizes) and sharding is None
+    k_out = None if baseline else _run(kernel, inputs, key, dtype, grads)
     truth = _cached(("attention", case, _key_bytes(key), jnp.dtype(dtype).name, grads),
                     lambda: _attention_truth(case, key, dtype, grads))
     return _compare(k_out, truth, backend, dtype)

@@ -225,3 +225,26 @@ def test_gpu_triton_parity_bf16(case):
 def test_gpu_triton_parity_dtypes(dtype, head_dim):
     case = AttentionCase(1, 1024, 1024, 4, 2, head_dim, causal=True)
     check_attention_parity(case, jax.random.key(3), dtype=dtype, backend="pallas_gpu")
+
+
+# Ring attention (T split over 2 GPUs): the Mosaic GPU forward (no segments) and the Triton one
+# (segments; not causal, where a row can see no key of a block), under the pass rule.
+RING_GPU_CASES = [
+    AttentionCase(1, 8192, 8192, 8, 2, 128, causal=True),
+    AttentionCase(2, 2048, 2048, 4, 4, 64, causal=True, segments="shared"),
+    AttentionCase(1, 2048, 2048, 4, 2, 128, causal=False, segments="shared"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", RING_GPU_CASES, ids=str)
+def test_gpu_ring_attention_parity(case):
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    check_attention_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",
+                           sharding=NamedSharding(mesh, P(None, "seq")))

@@ -239,7 +239,7 @@ def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
         q, k, v, g, backend="mosaic_tpu", sharding=sharding)[0], (0, 1, 2, 3))
     text = compile_sharded_for_tpu(fn, mesh, x, x, x, g).as_text()
     assert "tpu_custom_call" in text
-    found = re.findall(r"= \w+\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|"
+    found = re.findall(r"= \(?\w+\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|"
                        r"collective-permute|all-to-all)(?:-start)?\(", text)
     kinds = {kind for _, kind in found}
     assert kinds <= {"all-gather", "reduce-scatter", "all-reduce"} and "all-gather" in kinds
@@ -247,3 +247,31 @@ def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
     assert not any(t in dims or t // 2 in dims for dims in sizes), sizes
     states = 2 * 2 * 4 * (128 * 128 + 128)  # P x B x H x (K V + K), whole batch
     assert sum(int(np.prod(dims)) for dims in sizes) <= 4 * states, sizes
+
+
+@pytest.mark.parametrize("generation", SHARDED_GENERATIONS)
+def test_ring_attention_compiles_for_a_4_chip_slice(generation):
+    """Causal attention forward+backward with batch and T over a (2, 2) mesh: Mosaic compiles each
+    chip's blocks, and the program's only collectives are collective-permutes of one chip's
+    blocks (zigzag reordering, k/v around the ring, dk/dv back), nothing of length T."""
+    import re
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gla_tpu.testing.tpu_compile import compile_sharded_for_tpu, tpu_slice_mesh
+
+    mesh = tpu_slice_mesh(generation, (2, 2), ("data", "seq"))
+    sharding = NamedSharding(mesh, P("data", "seq", None, None))
+    t = 2048
+    q = jax.ShapeDtypeStruct((2, t, 4, 128), BF16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((2, t, 2, 128), BF16, sharding=sharding)
+    fn = _grad_of_sum(lambda q, k, v: ops.flash_attention(
+        q, k, v, causal=True, backend="mosaic_tpu", sharding=sharding), (0, 1, 2))
+    text = compile_sharded_for_tpu(fn, mesh, q, kv, kv).as_text()
+    assert "tpu_custom_call" in text
+    # "= (bf16[1,1024,2,128]{...}, ...) collective-permute-start(": the first shape is the operand
+    found = re.findall(r"= \(?\w+\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|"
+                       r"collective-permute|all-to-all)(?:-start)?\(", text)
+    assert found and {kind for _, kind in found} == {"collective-permute"}, found
+    assert all(int(dims.split(",")[1]) <= t // 2 for dims, _ in found), found

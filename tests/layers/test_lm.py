@@ -157,8 +157,8 @@ def test_sharded_parameters_on_four_cpu_devices(kind):
         assert relative_rms_error(g, g_ref) <= FLOAT32_MAX_RELATIVE_RMS
 
 
-def _gla_lm(backend="xla"):
-    blk = block.Config(d_model=64, num_heads=4, attention="gla", backend=backend)
+def _two_layer_lm(attention="gla", backend="xla"):
+    blk = block.Config(d_model=64, num_heads=4, attention=attention, backend=backend)
     return lm.Config(vocab_size=VOCAB, num_layers=2, block=blk, dtype="float32")
 
 
@@ -167,17 +167,19 @@ def _sharded_loss(params, tokens, cfg, sharding):
     return lm.cross_entropy(logits, tokens[:, 1:])
 
 
-def test_data_and_sequence_parallel_on_eight_cpu_devices():
-    """lm.apply(..., sharding=P("data", "seq")) under jit on a (2, 4) mesh: the GLA layers run
-    context parallel over "seq" (T = 64, 16 tokens per device). Loss and every gradient pass the
-    pass rule against float64 with the unsharded float32 run as the baseline (the two differ by
-    float32 reassociation, up to ~4e-5 relative on the first layer's q/k projections, where the
-    unsharded run is itself ~2e-5 from float64), and the program's collectives include the state
-    all-gathers."""
+@pytest.mark.parametrize("attention, collective", [("gla", "all-gather"),
+                                                   ("softmax", "collective-permute")])
+def test_data_and_sequence_parallel_on_eight_cpu_devices(attention, collective):
+    """lm.apply(..., sharding=P("data", "seq")) under jit on a (2, 4) mesh: GLA layers run context
+    parallel over "seq" (T = 64, 16 tokens per device), softmax layers ring attention. Loss and
+    every gradient pass the pass rule against float64 with the unsharded float32 run as the
+    baseline (the two differ by float32 reassociation, up to ~4e-5 relative on the first layer's
+    q/k projections, where the unsharded run is itself ~2e-5 from float64), and the program's
+    collectives are the state all-gathers (GLA) or the ring's permutes (softmax)."""
     devices = jax.devices()
     assert len(devices) >= 8, "tests/conftest.py sets --xla_force_host_platform_device_count=8"
     mesh = Mesh(np.array(devices[:8]).reshape(2, 4), ("data", "seq"))
-    cfg = _gla_lm()
+    cfg = _two_layer_lm(attention)
     params = lm.init(jax.random.key(11), cfg)
     tokens = _tokens(jax.random.key(12), (4, 65))
     sharded = jax.jit(jax.value_and_grad(functools.partial(
@@ -197,18 +199,14 @@ def test_data_and_sequence_parallel_on_eight_cpu_devices():
             err, err_baseline = relative_rms_error(g, w), relative_rms_error(b, w)
             assert err <= max(2 * err_baseline, FLOAT32_MAX_RELATIVE_RMS), (
                 f"{name}: sharded {err:.2e} vs unsharded {err_baseline:.2e} (float64 reference)")
-    assert "all-gather" in sharded.lower(params, tokens).compile().as_text()
+    assert collective in sharded.lower(params, tokens).compile().as_text()
 
 
-def test_sequence_split_softmax_lm_is_refused_and_bad_sharding_named():
+def test_bad_activation_sharding_is_named():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "seq"))
     tokens = _tokens(jax.random.key(13), (4, 65))
     softmax = _config("softmax", num_layers=1)
     params = lm.init(jax.random.key(14), softmax)
-    with pytest.raises(NotImplementedError, match="flash_attention"):
-        jax.jit(functools.partial(_sharded_loss, cfg=softmax,
-                                  sharding=NamedSharding(mesh, P("data", "seq")))).trace(
-            params, tokens)
     with pytest.raises(ValueError, match="batch and time axes"):
         _sharded_loss(params, tokens, softmax, NamedSharding(mesh, P("data", "seq", None)))
     with pytest.raises(ValueError, match="NamedSharding"):

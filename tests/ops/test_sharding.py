@@ -71,16 +71,16 @@ def _value_and_grads(fn, args, argnums):
     return out, jax.jit(jax.grad(loss, argnums=argnums))(*args)
 
 
-def _attention_inputs(hkv, segments, h=H, b=B):
-    q, k, v = _normal(0, (b, T, h, D)), _normal(1, (b, T, hkv, D)), _normal(2, (b, T, hkv, D))
+def _attention_inputs(hkv, segments, h=H, b=B, t=T):
+    q, k, v = _normal(0, (b, t, h, D)), _normal(1, (b, t, hkv, D)), _normal(2, (b, t, hkv, D))
     seg = None
     if segments:
-        seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(3), 0.1, (b, T)), axis=1)
+        seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(3), 0.1, (b, t)), axis=1)
     return q, k, v, seg
 
 
-def _check_attention(sharding, backend, hkv=None, segments=False, causal=True, h=H, b=B):
-    q, k, v, seg = _attention_inputs(h if hkv is None else hkv, segments, h, b)
+def _check_attention(sharding, backend, hkv=None, segments=False, causal=True, h=H, b=B, t=T):
+    q, k, v, seg = _attention_inputs(h if hkv is None else hkv, segments, h, b, t)
 
     def op(sharding):
         def fn(q, k, v):
@@ -227,11 +227,15 @@ def test_specs_the_ops_cannot_serve_are_refused(spec, match):
         ops.gla(q, q, q, g, backend="xla", sharding=NamedSharding(mesh, spec))
 
 
-def test_attention_over_a_split_time_axis_is_not_implemented():
-    q = _normal(0, (2, 16, 2, D))
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ops.flash_attention(q, q, q, backend="xla",
-                            sharding=NamedSharding(_mesh((2,), ("x",)), P(None, "x")))
+def test_ring_attention_refuses_what_it_cannot_split():
+    sharding = NamedSharding(_mesh((2,), ("x",)), P(None, "x"))
+    q, kv = _normal(0, (2, 16, 2, D)), _normal(1, (2, 32, 2, D))
+    with pytest.raises(NotImplementedError, match=r"self-attention.*T = 16, S = 32"):
+        ops.flash_attention(q, kv, kv, backend="xla", sharding=sharding)
+    q = _normal(0, (2, 18, 2, D))  # causal on 2 devices: 4 zigzag halves
+    with pytest.raises(ValueError, match=r"multiple of 4; got T = 18"):
+        ops.flash_attention(q, q, q, causal=True, backend="xla", sharding=sharding)
+    ops.flash_attention(q, q, q, backend="xla", sharding=sharding)  # not causal: T / 2 blocks
 
 
 def test_gla_time_axis_that_does_not_divide_t_is_refused():
@@ -300,6 +304,77 @@ def test_context_parallel_gla_moves_states_not_tokens():
     elements = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
     assert sum(elements) <= 2 * 8 * B * H * (kd * kd + kd)
     assert all(t not in map(int, filter(None, s.split(","))) for s in shapes)
+
+
+# Ring attention over the CP layouts. T = 48: zigzag halves of 3 tokens on 8 devices (6 on 4),
+# none a multiple of a block.
+RING_T = 48
+
+
+@pytest.mark.parametrize("layout, causal, hkv, segments", [
+    ("8-time", True, H, False),
+    ("2x4-batch-time", True, 2, True),
+    ("4x2-time-heads", False, 4, True),
+    ("2x4-time-over-both", True, 1, False),
+])
+def test_ring_attention_matches_unsharded_xla(layout, causal, hkv, segments):
+    shape, names, spec = CP_LAYOUTS[layout]
+    _check_attention(NamedSharding(_mesh(shape, names), spec), "xla", hkv=hkv,
+                     segments=segments, causal=causal, t=RING_T)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "pallas_gpu"])
+def test_ring_attention_matches_unsharded_in_interpret_mode(backend):
+    """Batch and T over a (2, 2) mesh, GQA, segment ids: causal on mosaic_tpu; on pallas_gpu not
+    causal, where a row can see no key of a block (its forward marks such rows apart)."""
+    sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", "model"))
+    _check_attention(sharding, backend, segments=True, hkv=1, causal=backend == "mosaic_tpu",
+                     t=64, **SMALL)
+
+
+def test_ring_attention_moves_blocks_not_sequences():
+    """Causal forward+backward over 8 time shards: the only collectives are collective-permutes
+    of one device's blocks (the zigzag reordering, k and v each step, dk and dv back)."""
+    sharding = NamedSharding(_mesh((8,), ("x",)), P(None, "x"))
+    t = 256
+    q, k, v, _ = _attention_inputs(2, False, t=t)
+
+    def loss(q, k, v):
+        return jnp.sum(ops.flash_attention(q, k, v, causal=True, backend="xla",
+                                           sharding=sharding) ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    counts = _collectives(text)
+    assert counts["collective-permute"] > 0
+    assert all(counts[name] == 0 for name in COLLECTIVES if name != "collective-permute")
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^=]*? collective-permute(?:-start)?\(", text)
+    assert all(int(dims.split(",")[1]) <= t // 8 for dims in shapes if dims), shapes
+
+
+def test_ring_attention_bfloat16_meets_the_pass_rule():
+    """bfloat16 over 8 time shards, causal: outputs and gradients within 2x the unsharded call's
+    error against the float64 reference."""
+    b, t, h = 2, 128, 2
+    q, k, v = (_normal(i, (b, t, h, D)) for i in range(3))
+    w = _normal(9, (b, t, h, D))
+    sharding = NamedSharding(_mesh((8,), ("x",)), P(None, "x"))
+
+    def grads(sharding, dtype, fn=None):
+        def loss(q, k, v):
+            o = fn(q, k, v) if fn else ops.flash_attention(
+                q, k, v, causal=True, backend="xla", sharding=sharding)
+            return jnp.sum(o * w.astype(o.dtype)), o
+        out = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            *(x.astype(dtype) for x in (q, k, v)))
+        return [np.asarray(x, np.float64) for x in (out[0][1], *out[1])]
+
+    with jax.enable_x64():
+        want = grads(None, jnp.float64,
+                     lambda q, k, v: ops.attention_reference(q, k, v, causal=True))
+    got, baseline = grads(sharding, jnp.bfloat16), grads(None, jnp.bfloat16)
+    for name, g, bl, wt in zip(("o", "dq", "dk", "dv"), got, baseline, want):
+        error = lambda x: np.linalg.norm(x - wt) / np.linalg.norm(wt)  # noqa: E731
+        assert error(g) <= 2 * error(bl), f"{name}: {error(g):.2e} vs {error(bl):.2e}"
 
 
 def test_mesh_axes_that_do_not_divide_the_dims_are_refused():

@@ -39,26 +39,92 @@ def visibility_mask(problem, q_segment_ids, kv_segment_ids):
     return mask[:, None, None]
 
 
+def _scores(q, k, problem, q_segment_ids, kv_segment_ids):
+    """Masked logits s [B, Hkv, G, T, S] float32 (-inf where hidden) and the mask."""
+    b, t, h, d = q.shape
+    hkv = problem.num_kv_heads
+    # Grouped queries attend to their kv head without materializing repeated k/v.
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    s = jnp.einsum("btngd,bsnd->bngts", qg, k, preferred_element_type=jnp.float32)
+    s = s * problem.sm_scale
+    mask = visibility_mask(problem, q_segment_ids, kv_segment_ids)
+    return jnp.where(mask, s, -jnp.inf), mask
+
+
+def _weighted_values(p, v, shape):
+    """sum_s p[..., t, s] v[s]: [B, Hkv, G, T, S] x [B, S, Hkv, D] -> [B, T, H, D] float32."""
+    o = jnp.einsum("bngts,bsnd->btngd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(shape)
+
+
 def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
     del block_sizes, interpret
     b, t, h, d = q.shape
-    hkv = problem.num_kv_heads
-    group = h // hkv
-    # Grouped queries attend to their kv head without materializing repeated k/v.
-    qg = q.reshape(b, t, hkv, group, d)
     with jax.named_scope("attention_xla"):
-        s = jnp.einsum("btngd,bsnd->bngts", qg, k, preferred_element_type=jnp.float32)
-        s = s * problem.sm_scale  # [B, Hkv, G, T, S]
-        mask = visibility_mask(problem, q_segment_ids, kv_segment_ids)
-        s = jnp.where(mask, s, -jnp.inf)
+        s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
         row_max = jnp.max(s, axis=-1, keepdims=True)
         # A row that sees no key has max -inf; shifting by 0 keeps it finite and all-zero.
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
         p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(row_max)), 0.0)
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum(
-            "bngts,bsnd->btngd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
-        )
-        denom = jnp.moveaxis(denom, -2, 1)  # [B, T, Hkv, G, 1]
+        o = _weighted_values(p, v, (b, t, h, d))
+        denom = jnp.moveaxis(denom, -2, 1).reshape(b, t, h, 1)  # [B, T, H, 1]
         o = o / jnp.where(denom > 0, denom, 1.0)
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    return o.astype(q.dtype)
+
+
+# The blocks of ring attention (ops/attention/ring.py): one (query block, key block) pair.
+
+
+def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+    """Attention of q over one block of keys, with its log-sum-exp.
+
+    Returns:
+      o: [B, T, H, D] float32, normalized over this block's keys (0 for a row that sees none).
+      lse: [B, H, T] float32, natural log; -inf for a row that sees no key of the block.
+    """
+    del block_sizes, interpret
+    b, t, h, d = q.shape
+    with jax.named_scope("attention_xla_block"):
+        s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
+        row_max = jnp.max(s, axis=-1, keepdims=True)
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        p = jnp.where(mask, jnp.exp(s - row_max), 0.0)
+        denom = jnp.sum(p, axis=-1)  # [B, Hkv, G, T]
+        lse = jnp.where(denom > 0, row_max[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                        -jnp.inf)
+        o = _weighted_values(p, v, (b, t, h, d))
+        rows = jnp.moveaxis(denom, -1, 1).reshape(b, t, h, 1)
+        o = o / jnp.where(rows > 0, rows, 1.0)
+    return o, lse.reshape(b, h, t)
+
+
+def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv_segment_ids,
+                          block_sizes, interpret):
+    """Gradients of one (query block, key block) pair of a softmax attention normalized elsewhere.
+
+    Args:
+      do: [B, T, H, D] cotangent of the whole attention's output.
+      lse: [B, H, T] float32, the whole attention's log-sum-exp (non-finite: the row sees no key
+        anywhere, and gets zero gradients).
+      delta: [B, H, T] float32, rowsum(o * do) of the whole attention.
+    Returns:
+      dq [B, T, H, D], dk, dv [B, S, Hkv, D], float32: this block's terms of the gradients.
+    """
+    del block_sizes, interpret
+    b, t, h, d = q.shape
+    hkv = problem.num_kv_heads
+    group = h // hkv
+    with jax.named_scope("attention_xla_block_grads"):
+        s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
+        lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf).reshape(b, hkv, group, t, 1)
+        p = jnp.where(mask, jnp.exp(s - lse), 0.0)  # [B, Hkv, G, T, S]
+        dog = do.reshape(b, t, hkv, group, d)
+        dp = jnp.einsum("btngd,bsnd->bngts", dog, v, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta.reshape(b, hkv, group, t, 1)) * problem.sm_scale
+        dv = jnp.einsum("bngts,btngd->bsnd", p.astype(do.dtype), dog,
+                        preferred_element_type=jnp.float32)
+        dq = _weighted_values(ds, k, (b, t, h, d))
+        dk = jnp.einsum("bngts,btngd->bsnd", ds.astype(q.dtype), q.reshape(b, t, hkv, group, d),
+                        preferred_element_type=jnp.float32)
+    return dq, dk, dv

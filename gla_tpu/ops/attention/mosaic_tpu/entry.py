@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from gla_tpu.ops.attention.mosaic_tpu import vjp
+from gla_tpu.ops.attention.mosaic_tpu import kernels, vjp
 from gla_tpu.ops.attention.mosaic_tpu.plan import BlockSizes, kernel_config
 from gla_tpu.ops.common.capabilities import ATTENTION_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_time
@@ -38,6 +38,14 @@ def _segment_rows(seg, length_padded: int):
     return pad_time(seg, length_padded, axis=1)[:, None, :]
 
 
+def _segments(problem, q_segment_ids, kv_segment_ids, cfg):
+    """Segment rows [B, 1, Tp], [B, 1, Sp], or (None, None)."""
+    if not problem.has_segments:
+        return None, None
+    return (_segment_rows(q_segment_ids, cfg.q_len_padded),
+            _segment_rows(kv_segment_ids, cfg.kv_len_padded))
+
+
 def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
     """Backend entry called by `gla_tpu.ops.flash_attention` after validation.
 
@@ -55,9 +63,44 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     qh = _head_major(q, cfg.q_len_padded)  # [B, H, Tp, D]
     kh = _head_major(k, cfg.kv_len_padded)  # [B, Hkv, Sp, D]
     vh = _head_major(v, cfg.kv_len_padded)
-    q_seg = kv_seg = None
-    if problem.has_segments:
-        q_seg = _segment_rows(q_segment_ids, cfg.q_len_padded)  # [B, 1, Tp]
-        kv_seg = _segment_rows(kv_segment_ids, cfg.kv_len_padded)  # [B, 1, Sp]
+    q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
     o = vjp.attention(cfg, qh, kh, vh, q_seg, kv_seg)  # [B, H, Tp, D]
     return jnp.swapaxes(o[:, :, : problem.q_len], 1, 2)
+
+
+# The blocks of ring attention (ops/attention/ring.py): one (query block, key block) pair, with
+# float32 outputs (the ring sums P of them).
+
+
+def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+    """o [B, T, H, D] float32 over this block's keys and lse [B, H, T] float32 (-inf for a row
+    that sees no key of the block); as `xla.attention_block`."""
+    cfg = kernel_config(problem, block_sizes, interpret)
+    q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
+    o, lse = kernels.flash_forward(cfg, _head_major(q, cfg.q_len_padded),
+                                   _head_major(k, cfg.kv_len_padded),
+                                   _head_major(v, cfg.kv_len_padded), q_seg, kv_seg,
+                                   out_dtype=jnp.float32)
+    lse = lse[:, :, 0, : problem.q_len]
+    # the kernel marks a row with no visible key by lse = +inf (p = 0 in its backward)
+    return jnp.swapaxes(o[:, :, : problem.q_len], 1, 2), jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv_segment_ids,
+                          block_sizes, interpret):
+    """This block's float32 dq [B, T, H, D], dk, dv [B, S, Hkv, D] given the whole attention's
+    lse and delta [B, H, T]; as `xla.attention_block_grads`."""
+    cfg = kernel_config(problem, block_sizes, interpret)
+    q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
+    tp, sp = cfg.q_len_padded, cfg.kv_len_padded
+    qh, doh = _head_major(q, tp), _head_major(do, tp)
+    kh, vh = _head_major(k, sp), _head_major(v, sp)
+    # Padded rows: q = do = delta = 0, so whatever p they get adds nothing.
+    lse_rows = pad_time(jnp.where(jnp.isfinite(lse), lse, jnp.inf), tp, axis=2)[:, :, None]
+    delta_rows = pad_time(delta, tp, axis=2)[:, :, None]
+    dq = kernels.flash_dq(cfg, qh, kh, vh, doh, lse_rows, delta_rows, q_seg, kv_seg,
+                          out_dtype=jnp.float32)
+    dk, dv = kernels.flash_dkv(cfg, qh, kh, vh, doh, lse_rows, delta_rows, q_seg, kv_seg,
+                               out_dtype=jnp.float32)
+    back = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)  # noqa: E731
+    return back(dq, problem.q_len), back(dk, problem.kv_len), back(dv, problem.kv_len)

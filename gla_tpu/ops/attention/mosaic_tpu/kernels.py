@@ -209,8 +209,9 @@ def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
     return q_map, kv_map, seg_specs
 
 
-def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
-    """Returns o [B, H, Tp, D] in q's dtype and lse [B, H, 1, Tp] float32 rows."""
+def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None):
+    """Returns o [B, H, Tp, D] in `out_dtype` (default q's dtype) and lse [B, H, 1, Tp] float32
+    rows."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q, cfg.block_kv
     grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
@@ -225,7 +226,7 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
         in_specs += seg_specs
         args += [q_seg, kv_seg]
     out_shape = [
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
         jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32),
     ]
     out_specs = [
@@ -307,8 +308,8 @@ def _backward_in_specs(bq: int, bkv: int, d: int, q_map, kv_map, row_map):
     ]
 
 
-def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
-    """dq [B, H, Tp, D] in q's dtype; lse, di [B, H, 1, Tp] float32."""
+def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None):
+    """dq [B, H, Tp, D] in `out_dtype` (default q's dtype); lse, di [B, H, 1, Tp] float32."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
     grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
@@ -322,7 +323,7 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
     if cfg.has_segments:
         in_specs += seg_specs
         args += [q_seg, kv_seg]
-    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_shape = jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype)
     name = _call_name("bwd_dq", cfg, bq, bkv)
     with jax.named_scope(name):
         return pl.pallas_call(
@@ -382,8 +383,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
-    """(dk, dv) [B, Hkv, Sp, D] in k's dtype, summed over the G query heads of each kv head."""
+def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None):
+    """(dk, dv) [B, Hkv, Sp, D] in `out_dtype` (default k's dtype), summed over the G query heads
+    of each kv head."""
     b, hkv, sp, d = k.shape
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
     g = cfg.group
@@ -413,7 +415,8 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
             pl.BlockSpec((None, 1, bkv), lambda bi, ni, j, gi, i: (bi, 0, j)),
         ]
         args += [q_seg, kv_seg]
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, out_dtype or k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, out_dtype or v.dtype)]
     name = _call_name("bwd_dkv", cfg, bq, bkv)
     with jax.named_scope(name):
         return pl.pallas_call(

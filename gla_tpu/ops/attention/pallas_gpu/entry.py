@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
+
 from gla_tpu.ops.attention.pallas_gpu import vjp
 from gla_tpu.ops.attention.pallas_gpu.plan import (BlockSizes, Geometry, default_block_sizes,
                                                    mosaic_forward_tiles)
 from gla_tpu.ops.common.capabilities import ATTENTION_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_time
+
+LN2 = math.log(2.0)
 
 CAPABILITIES = Capabilities(
     op="flash_attention", backend="pallas_gpu",
@@ -33,7 +38,8 @@ def check_supported(problem, block_sizes) -> None:
     CAPABILITIES.check(problem, block_sizes)
 
 
-def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+def _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+    """Block sizes, Mosaic forward tiles (or None), geometry, and the inputs padded to it."""
     sizes = block_sizes or default_block_sizes(problem.head_dim, problem.dtype)
     tiles = mosaic_forward_tiles(problem, sizes, bool(interpret))
     t, s = problem.q_len, problem.kv_len
@@ -45,13 +51,61 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
         group=problem.num_heads // problem.num_kv_heads, causal=problem.causal,
         offset=s - t, sm_scale=float(problem.sm_scale), has_segments=problem.has_segments,
     )
-    qp = pad_time(q, mq)
-    kp, vp = pad_time(k, mk), pad_time(v, mk)
     q_seg = kv_seg = None
     if problem.has_segments:
         q_seg = pad_time(q_segment_ids, mq)
         kv_seg = pad_time(kv_segment_ids, mk)
-    o = vjp.attention(qp, kp, vp, q_seg, kv_seg, geo, sizes, tiles, bool(interpret))
-    return o[:, :t]
+    padded = (pad_time(q, mq), pad_time(k, mk), pad_time(v, mk), q_seg, kv_seg)
+    return sizes, tiles, geo, padded
 
 
+def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+    sizes, tiles, geo, padded = _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids,
+                                         block_sizes, interpret)
+    o = vjp.attention(*padded, geo, sizes, tiles, bool(interpret))
+    return o[:, : problem.q_len]
+
+
+# The blocks of ring attention (ops/attention/ring.py): one (query block, key block) pair.
+
+
+def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+    """o [B, T, H, D] float32 over this block's keys (rounded to q's dtype by the kernel first)
+    and lse [B, H, T] float32, natural log, -inf for a row that sees no key of the block; as
+    `xla.attention_block`."""
+    sizes, tiles, geo, padded = _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids,
+                                         block_sizes, interpret)
+    o, lse2 = vjp.forward(*padded, geo, sizes, tiles, bool(interpret))
+    lse2 = lse2[:, :, : problem.q_len]
+    # Both forwards write lse = 0 (and o = 0) for a row that sees no key, which would count as a
+    # key of weight 1 in the ring's merge. Without segment ids every row of a ring block sees a
+    # key; with them, only a non-causal block can hide all keys from a row.
+    lse = lse2 * LN2
+    if problem.has_segments and not problem.causal:
+        seen = _id_among(q_segment_ids, kv_segment_ids)[:, None, :]  # [B, 1, T]
+        lse = jnp.where(seen, lse, -jnp.inf)
+    return o[:, : problem.q_len].astype(jnp.float32), lse
+
+
+def _id_among(ids, pool):
+    """[B, T] bool: ids[b, t] occurs in pool[b] ([B, S]); a sort and a binary search per row
+    (ring blocks' causal calls are diagonal: each query sees at least its own token)."""
+    pool = jnp.sort(pool, axis=1)
+    at = jax.vmap(jnp.searchsorted)(pool, ids)  # [B, T], in [0, S]
+    found = jnp.take_along_axis(pool, jnp.minimum(at, pool.shape[1] - 1), axis=1)
+    return found == ids
+
+
+def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv_segment_ids,
+                          block_sizes, interpret):
+    """This block's float32 dq [B, T, H, D], dk, dv [B, S, Hkv, D] given the whole attention's
+    lse and delta [B, H, T]; as `xla.attention_block_grads`."""
+    sizes, _, geo, (qp, kp, vp, q_seg, kv_seg) = _prepare(
+        q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret)
+    tp = geo.padded_q
+    # base-2 lse; +inf (p = 0) for a row that sees no key anywhere; padded rows have do = 0
+    lse2 = pad_time(jnp.where(jnp.isfinite(lse), lse / LN2, jnp.inf), tp, axis=2)
+    dq, dk, dv = vjp.gradients(qp, kp, vp, q_seg, kv_seg, pad_time(do, tp), lse2,
+                               pad_time(delta, tp, axis=2), geo, sizes, bool(interpret),
+                               out_dtype=jnp.float32)
+    return dq[:, : problem.q_len], dk[:, : problem.kv_len], dv[:, : problem.kv_len]

@@ -260,8 +260,8 @@ def forward(q, k, v, q_seg, kv_seg, *, geo: Geometry, block_q: int, block_kv: in
 
 
 def backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block_q: int,
-                block_kv: int, num_warps: int, num_stages: int, interpret):
-    """-> dq [B, Tp, H, D] in q's dtype."""
+                block_kv: int, num_warps: int, num_stages: int, interpret, out_dtype=None):
+    """-> dq [B, Tp, H, D] in `out_dtype` (default q's dtype)."""
     grid, q_spec, kv_spec, row_spec, qs_spec, ks_spec = _query_tiled_specs(geo, q, k, block_q)
     kernel = functools.partial(_dq_kernel, geo=geo, block_q=block_q, block_kv=block_kv)
     with jax.named_scope(f"flash_dq_block_q={block_q}_block_kv={block_kv}"):
@@ -270,7 +270,7 @@ def backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block_
             grid=grid,
             in_specs=[q_spec, kv_spec, kv_spec, qs_spec, ks_spec, q_spec, row_spec, row_spec],
             out_specs=q_spec,
-            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
             compiler_params=_params(num_warps, num_stages),
             interpret=interpret,
             name="flash_attention_dq",
@@ -278,8 +278,9 @@ def backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block_
 
 
 def backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block_q: int,
-                 block_kv: int, num_warps: int, num_stages: int, interpret):
-    """-> (dk, dv) [B, Sp, Hkv, D] in k's dtype, summed over each kv head's query group."""
+                 block_kv: int, num_warps: int, num_stages: int, interpret, out_dtype=None):
+    """-> (dk, dv) [B, Sp, Hkv, D] in `out_dtype` (default k's dtype), summed over each kv head's
+    query group."""
     b, tp, h, d = q.shape
     sp, hkv = k.shape[1], k.shape[2]
     group = geo.group
@@ -298,8 +299,8 @@ def backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta, *, geo: Geometry, block
             grid=grid,
             in_specs=[q_spec, kv_spec, kv_spec, qs_spec, ks_spec, q_spec, row_spec, row_spec],
             out_specs=[kv_spec, kv_spec],
-            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                       jax.ShapeDtypeStruct(v.shape, v.dtype)],
+            out_shape=[jax.ShapeDtypeStruct(k.shape, out_dtype or k.dtype),
+                       jax.ShapeDtypeStruct(v.shape, out_dtype or v.dtype)],
             compiler_params=_params(num_warps, num_stages),
             interpret=interpret,
             name="flash_attention_dkv",

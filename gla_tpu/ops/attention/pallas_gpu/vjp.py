@@ -18,11 +18,12 @@ from gla_tpu.ops.attention.pallas_gpu import kernels_triton as kernels
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def attention(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
     """o [B, Tp, H, D] from q [B, Tp, H, D], k, v [B, Sp, Hkv, D], segment ids or None."""
-    o, _ = _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
+    o, _ = forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
     return o
 
 
-def _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
+def forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
+    """(o [B, Tp, H, D] in q's dtype, base-2 lse [B, H, Tp] float32)."""
     if tiles is not None:
         return kernels_mosaic_forward.forward(q, k, v, geo=geo, tiles=tiles, interpret=interpret)
     return kernels.forward(q, k, v, q_seg, kv_seg, geo=geo, block_q=sizes.block_q,
@@ -31,7 +32,7 @@ def _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
-    o, lse = _forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
+    o, lse = forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
     return o, (q, k, v, q_seg, kv_seg, o, lse)
 
 
@@ -39,13 +40,20 @@ def _attention_bwd(geo, sizes, tiles, interpret, residuals, do):
     q, k, v, q_seg, kv_seg, o, lse = residuals
     # delta_i = sum_d o_id do_id, [B, H, Tp]: one fused elementwise pass, left to XLA
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    common = dict(geo=geo, num_stages=sizes.num_stages_bwd, interpret=interpret)
+    dq, dk, dv = gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, sizes, interpret)
+    return dq, dk, dv, None, None
+
+
+def gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, sizes, interpret, out_dtype=None):
+    """(dq, dk, dv) from the base-2 lse and delta [B, H, Tp]: the dq and dk/dv kernels."""
+    common = dict(geo=geo, num_stages=sizes.num_stages_bwd, interpret=interpret,
+                  out_dtype=out_dtype)
     dq = kernels.backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, block_q=sizes.block_q_dq,
                              block_kv=sizes.block_kv_dq, num_warps=sizes.num_warps_dq, **common)
     dk, dv = kernels.backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta,
                                   block_q=sizes.block_q_dkv, block_kv=sizes.block_kv_dkv,
                                   num_warps=sizes.num_warps_dkv, **common)
-    return dq, dk, dv, None, None
+    return dq, dk, dv
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
