@@ -86,8 +86,8 @@ def _gla(mode, chunk_size=None):
 # modes at the default chunk (128 up to K = 256, 64 above) and at 64.
 GLA = {
     "fused_chunk": {
-        "key-B2-T8192-H8-K128-V128": ("key", 2, 8192, 8, 128, 128),
-        "key-B2-T8192-H8-K128-V128-C64": ("key", 2, 8192, 8, 128, 128, 64),
+        "key-B2-T4096-H8-K128-V128": ("key", 2, 4096, 8, 128, 128),
+        "key-B2-T4096-H8-K128-V128-C64": ("key", 2, 4096, 8, 128, 128, 64),
         "head-B2-T4096-H16-K64-V64": ("head", 2, 4096, 16, 64, 64),
         "key-B1-T1024-H2-K512-V512": ("key", 1, 1024, 2, 512, 512),
         "head-B2-T2048-H4-K256-V512": ("head", 2, 2048, 4, 256, 512),
