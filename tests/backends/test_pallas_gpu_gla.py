@@ -36,10 +36,13 @@ pytestmark = pytest.mark.filterwarnings(
 # every pair but a token with itself underflows) takes the exact one everywhere; with segments,
 # an initial state and a partial last chunk. Strength 16 alone (every chunk bounded, the per-chunk
 # grids) and strengths 1 and 16 in float32 run in the matrix of tests/ops/test_gla.py.
-@pytest.mark.parametrize("gate_strength,dtype", [(1.0, jnp.bfloat16), (1e-3, jnp.bfloat16),
-                                                 (1e-3, jnp.float32)])
-def test_interpret_parity_any_gate(gate_strength, dtype):
-    case = GLACase(1, 200, 2, 64, 64, gate="key", initial_state=True, segments=True,
+# Per-head gates take a path of their own (one program per chunk for any strength): strength
+# 1e-3 here, 1 and 16 in the matrix.
+@pytest.mark.parametrize("gate_strength,dtype,gate", [
+    (1.0, jnp.bfloat16, "key"), (1e-3, jnp.bfloat16, "key"), (1e-3, jnp.float32, "key"),
+    (1e-3, jnp.bfloat16, "head")])
+def test_interpret_parity_any_gate(gate_strength, dtype, gate):
+    case = GLACase(1, 200, 2, 64, 64, gate=gate, initial_state=True, segments=True,
                    gate_strength=gate_strength)
     check_gla_parity(case, jax.random.key(5), dtype=dtype, backend="pallas_gpu",
                      interpret=True)
@@ -54,11 +57,15 @@ def test_gate_strengths_reach_the_paths(gate_strength, expected):
     assert flags[0].tolist() == [by_chunk] * 2
 
 
-@pytest.mark.parametrize("key_dim,value_dim,segments", [(128, 128, False), (64, 512, True)])
-def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments):
+# forward: state pass, intra scores (per-key gates: per chunk and per sub-chunk, one chosen at
+# run time), output; backward: reverse state pass, dA, dq/dk (both ways for per-key gates), dv
+@pytest.mark.parametrize("key_dim,value_dim,segments,gate,kernels", [
+    (128, 128, False, "key", 9), (64, 512, True, "key", 9), (128, 128, True, "head", 7)])
+def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments, gate, kernels):
     q = jax.ShapeDtypeStruct((2, 200, 2, key_dim), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((2, 200, 2, value_dim), jnp.bfloat16)
-    g = jax.ShapeDtypeStruct((2, 200, 2, key_dim), jnp.float32)
+    g = jax.ShapeDtypeStruct((2, 200, 2, key_dim) if gate == "key" else (2, 200, 2),
+                             jnp.float32)
     s0 = jax.ShapeDtypeStruct((2, 2, key_dim, value_dim), jnp.float32)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)
 
@@ -70,13 +77,11 @@ def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments):
     with hopper_target():
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
             q, q, v, g, s0, seg).lower(lowering_platforms=("cuda",))
-    # forward: state pass, intra scores (per chunk and per sub-chunk, one chosen at run time),
-    # output; backward: reverse state pass, dA, dq/dk (both ways), dv
-    assert lowered.as_text().count("xla.gpu.triton") == 9
+    assert lowered.as_text().count("xla.gpu.triton") == kernels
 
 
 # Gate strengths 1 (fla's benchmark draw), 16 (fla's GLA layer default) and 1e-3 (about -800 a
-# token) at T = 4096 and at K, V = 256, 512.
+# token) at T = 4096 and at K, V = 256, 512; per-head gates at strengths 1 and 1e-3.
 GPU_CASES = [
     GLACase(1, 4096, 2, 64, 64, gate="key"),
     GLACase(1, 4096, 2, 128, 128, gate="key", gate_strength=16.0, initial_state=True),
@@ -87,6 +92,8 @@ GPU_CASES = [
     GLACase(1, 1024, 2, 64, 192, gate="key", gate_strength=0.1, initial_state=True),
     GLACase(2, 1000, 2, 128, 64, gate="key", segments=True, initial_state=True),
     GLACase(2, 1024, 4, 128, 128, gate="head", initial_state=True, segments=True),
+    GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=1e-3, segments=True),
+    GLACase(1, 1024, 2, 256, 512, gate="head", initial_state=True),
     GLACase(2, 777, 2, 64, 128, gate="none", initial_state=True),
     GLACase(1, 1024, 2, 64, 64, gate="key", gate_strength=0.01),
 ]

@@ -84,6 +84,7 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
     geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
                          has_segments=segment_ids is not None,
                          exact_inter=problem.mode == "fused_recurrent",
+                         per_head=g is None or g.ndim == 3,
                          block_sizes=block_sizes or BlockSizes())
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if few_tokens:

@@ -10,6 +10,8 @@ gates arrive broadcast to [B, T, H, K]. Segment masks arrive precomputed (entry.
 
 Kernels (the state pass is in kernels_state.py, outputs and dv in kernels_output.py):
 - `intra_scores`: the masked, unscaled intra-chunk scores A [C, C] per chunk.
+Per-head and absent gates (geo.per_head) take one path of their own, one program per chunk for
+any gate strength (section "Per-head gates").
 - `chunk_da`: dA = scale do v^T [C, C] per chunk, masked like A.
 - `chunk_dqk`: dq, dk, dg (float32) of a chunk and K block, intra and inter parts.
 The intra-chunk products take one path whatever the gates (section "Intra-chunk products").
@@ -146,8 +148,62 @@ def _intra_kernel(flag_ref, q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGe
 
 
 def _whole_chunk_kernel(q_ref, k_ref, b_ref, seg_ref, a_ref, *, geo: ChunkGeometry):
-    """All of A when every chunk of the call is bounded: one program per chunk."""
-    _bounded_rows(q_ref, k_ref, b_ref, seg_ref, a_ref, pl.ds(0, geo.chunk), geo.chunk, geo)
+    """All of A when every chunk of the call is bounded, or the gates are per head: one program
+    per chunk."""
+    if geo.per_head:
+        _per_head_rows(q_ref, k_ref, b_ref, seg_ref, a_ref, geo)
+    else:
+        _bounded_rows(q_ref, k_ref, b_ref, seg_ref, a_ref, pl.ds(0, geo.chunk), geo.chunk, geo)
+
+
+# Per-head gates (and none): b is one number per token, so the decay between query r and key x,
+# exp(b_r - b_x), is one number per pair. A = (q k^T) * E with E_rx = exp(b_r - b_x) on the
+# visible pairs (exponent <= 0, any gate strength) and 0 elsewhere: one product on the matrix
+# units and one [C, C] elementwise step, whatever the gates. The backward takes the same E:
+# dq = (dA * E) k, dk = (dA * E)^T q, the pair of a token with itself left apart as in the exact
+# path (it drops out of dg).
+
+
+def _per_head_decay(geo: ChunkGeometry, b_ref, seg_ref, *, strict: bool):
+    """[C, C] E_rx = exp(b_r - b_x) where query r sees key x (strict: x < r; seg_ref None: by
+    position only), 0 elsewhere. The gate arrives broadcast over K: its column 0 is b."""
+    c = geo.chunk
+    b_col = b_ref[:, pl.ds(0, 1)]  # [C, 1]
+    tok = jnp.arange(c, dtype=jnp.int32)
+    if seg_ref is None:  # the backward: dA carries the segment mask already
+        visible = intra_chunk_visibility(tok[:, None], tok[None, :])
+    else:
+        visible = _intra_mask(geo, seg_ref, c, 0)
+    if strict:
+        visible = jnp.logical_and(visible, tok[:, None] != tok[None, :])
+    diff = b_col - jnp.transpose(b_col)  # [C, C]: b_r - b_x
+    return jnp.where(visible, jnp.exp(jnp.where(visible, diff, 0.0)), 0.0)
+
+
+def _per_head_rows(q_ref, k_ref, b_ref, seg_ref, a_ref, geo: ChunkGeometry):
+    """All of A for per-head gates: one product per K block, then the decay."""
+    bk = geo.block_k
+
+    def over_k(kb, acc):
+        ks = pl.ds(kb * bk, bk)
+        return acc + product(q_ref[:, ks], k_ref[:, ks], "nt", HIGHEST)
+
+    s = lax.fori_loop(0, geo.key_dim // bk, over_k,
+                      jnp.zeros((geo.chunk, geo.chunk), jnp.float32))
+    a_ref[...] = s * _per_head_decay(geo, b_ref, seg_ref, strict=False)
+
+
+def _per_head_pairs(q_ref, k_ref, b_ref, seg_ref, da_ref, da_t_ref, geo: ChunkGeometry, dt):
+    """([C, BK] dq's pairs x < r, [C, BK] dk's pairs r > x, [C, 1] dA_rr) of a chunk's K block
+    for per-head gates."""
+    c = geo.chunk
+    decay = _per_head_decay(geo, b_ref, seg_ref, strict=True)
+    da = da_ref[...]
+    tok = jnp.arange(c, dtype=jnp.int32)
+    own = jnp.sum(jnp.where(tok[:, None] == tok[None, :], da, 0.0), axis=1)[:, None]
+    dq = accurate_product(da * decay, k_ref[...], "nn", dt)
+    dk = accurate_product(da_t_ref[...] * jnp.transpose(decay), q_ref[...], "nn", dt)
+    return dq, dk, own
 
 
 def _exact_rows(q_ref, k_ref, b_ref, seg_ref, a_ref, i, geo: ChunkGeometry):
@@ -369,7 +425,10 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, da_t_ref, v_ref, do_ref, 
         dq_pairs, own = _intra_dq(da_ref, k_ref, b_ref, b, m, c, dt)
         return dq_pairs, _intra_dk(da_t_ref, q_ref, b_ref, b, m, c, dt), own
 
-    if flag_ref is None:
+    if geo.per_head:
+        dq_pairs, dk_intra, own = _per_head_pairs(q_ref, k_ref, b_ref, None, da_ref, da_t_ref,
+                                                  geo, dt)
+    elif flag_ref is None:
         dq_pairs, dk_intra, own = bounded()
     else:
         dq_pairs, dk_intra, own = lax.cond(_read_flag(flag_ref), bounded, exact)

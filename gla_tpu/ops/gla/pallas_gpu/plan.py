@@ -66,6 +66,9 @@ class ChunkGeometry:
     # dq's and dk's inter-chunk products on the float32 states (split bfloat16 for 16-bit
     # inputs) instead of states rounded to the input dtype
     exact_inter: bool = False
+    # one gate per head and token (or none): the intra-chunk decay exp(b_r - b_x) is one number
+    # per pair, applied to the [C, C] product (kernels_intra.py)
+    per_head: bool = False
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -80,7 +83,7 @@ def value_block(value_dim: int) -> int:
 
 
 def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: float,
-                   has_segments: bool, exact_inter: bool,
+                   has_segments: bool, exact_inter: bool, per_head: bool = False,
                    block_sizes: BlockSizes = BlockSizes()) -> ChunkGeometry:
     """The kernels' tiles for padded T, K and V (powers of two >= 64). `exact_inter` (mode
     "fused_recurrent") keeps dq's and dk's products with the float32 states float32-accurate, as
@@ -93,7 +96,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         value_dim=value_dim, num_chunks=-(-padded_len // CHUNK), scale=scale,
         has_segments=has_segments, num_warps=block_sizes.num_warps,
         num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
-        exact_inter=exact_inter,
+        exact_inter=exact_inter, per_head=per_head,
     )
 
 

@@ -29,7 +29,10 @@ from gla_tpu.ops.gla.pallas_gpu import (
 def _by_grid(kernel, bounded, *operands, **static):
     """kernel(*operands, **static) with one program per chunk when every chunk is bounded
     (all_bounded=True), else one per sub-chunk of rows; chosen at run time (XLA's conditional:
-    on GPU it reads the predicate back to the host once per call)."""
+    on GPU it reads the predicate back to the host once per call). Per-head gates (bounded None)
+    take one program per chunk whatever their strength."""
+    if bounded is None:
+        return kernel(*operands, **static, all_bounded=True)
     return lax.cond(jnp.all(bounded > 0),
                     functools.partial(kernel, **static, all_bounded=True),
                     functools.partial(kernel, **static, all_bounded=False), *operands)
@@ -47,8 +50,9 @@ def _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
     b = chunk_local_cumsum(g, geo.chunk, method="triangular")  # [B, Tp, H, K] float32
     states, final = kernels_state.state_pass(k, v, b, last, keep, s0, geo=geo, reverse=False,
                                              interpret=interpret)
-    # [B, H, N]: chunks whose intra products take one whole-chunk product (kernels_intra.py)
-    bounded = kernels_intra.bounded_chunks(b, geo.chunk)
+    # [B, H, N]: chunks whose intra products take one whole-chunk product (kernels_intra.py);
+    # per-head gates always do
+    bounded = None if geo.per_head else kernels_intra.bounded_chunks(b, geo.chunk)
     a = _by_grid(kernels_intra.intra_scores, bounded, q, k, b, seg, bounded, geo=geo,
                  interpret=interpret)
     o = kernels_output.chunk_output(q, b, reach, a, v, states, geo=geo, interpret=interpret)
