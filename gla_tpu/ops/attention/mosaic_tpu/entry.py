@@ -2,7 +2,9 @@
 
 The layout step happens here: [B, T, H, D] inputs become head-major [B, H, Tp, D] copies padded to
 the block grid, so that every block's last two dims are (block, D) with D the full dim (D = 64
-included). Kernels: kernels.py; custom_vjp: vjp.py; tiles and VMEM: plan.py.
+included). The output comes back in [B, Tp, H, D] where D is a multiple of 128 (the forward writes
+it there, vjp.token_major_output), head-major otherwise. Kernels: kernels.py; custom_vjp: vjp.py;
+tiles and VMEM: plan.py.
 Design, VMEM footprints and roofline: docs/attention_mosaic_tpu.md.
 """
 
@@ -64,8 +66,10 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     kh = _head_major(k, cfg.kv_len_padded)  # [B, Hkv, Sp, D]
     vh = _head_major(v, cfg.kv_len_padded)
     q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
-    o = vjp.attention(cfg, qh, kh, vh, q_seg, kv_seg)  # [B, H, Tp, D]
-    return jnp.swapaxes(o[:, :, : problem.q_len], 1, 2)
+    o = vjp.attention(cfg, qh, kh, vh, q_seg, kv_seg)
+    if vjp.token_major_output(cfg):
+        return o[:, : problem.q_len]  # [B, Tp, H, D]
+    return jnp.swapaxes(o[:, :, : problem.q_len], 1, 2)  # from [B, H, Tp, D]
 
 
 # The blocks of ring attention (ops/attention/ring.py): one (query block, key block) pair, with

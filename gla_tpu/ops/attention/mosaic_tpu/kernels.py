@@ -209,9 +209,10 @@ def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
     return q_map, kv_map, seg_specs
 
 
-def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None):
-    """Returns o [B, H, Tp, D] in `out_dtype` (default q's dtype) and lse [B, H, 1, Tp] float32
-    rows."""
+def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None,
+                  token_major_out: bool = False):
+    """Returns o [B, H, Tp, D] (token_major_out: [B, Tp, H * D], D a multiple of 128) in
+    `out_dtype` (default q's dtype) and lse [B, H, 1, Tp] float32 rows."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q, cfg.block_kv
     grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
@@ -225,12 +226,17 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None):
     if cfg.has_segments:
         in_specs += seg_specs
         args += [q_seg, kv_seg]
+    if token_major_out:  # o as [B, Tp, H * D]: head hi's columns of q block i
+        o_shape, o_spec = (b, tp, h * d), pl.BlockSpec((None, bq, d),
+                                                      lambda bi, hi, i, j: (bi, i, hi))
+    else:
+        o_shape, o_spec = q.shape, pl.BlockSpec((None, None, bq, d), q_map)
     out_shape = [
-        jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
+        jax.ShapeDtypeStruct(o_shape, out_dtype or q.dtype),
         jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32),
     ]
     out_specs = [
-        pl.BlockSpec((None, None, bq, d), q_map),
+        o_spec,
         pl.BlockSpec((None, None, 1, bq), lambda bi, hi, i, j: (bi, hi, 0, i)),
     ]
     scratch = [
