@@ -73,7 +73,7 @@ class Spec:
     impl: str
     shape: tuple  # attention (B, H, T, D, causal); gla (B, T, H, K, V, gate, mode)
     generation: str
-    passes: str  # "fwd", "fwd_bwd"; "bwd", "bwd_layout": parts of our attention's fwd_bwd
+    passes: str  # "fwd", "fwd_bwd"; "bwd": part of our attention's fwd_bwd
     options: tuple = ()  # (name, value) pairs, e.g. JAX flash block sizes
 
     @property
@@ -176,10 +176,11 @@ def _our_attention_blocks(opts: dict):
 
 
 def _attention_backward_program(spec: Spec):
-    """Our attention's backward alone, from abstract residuals in the kernels' head-major layout:
-    di and the dq and dk/dv kernels. libtpu's profiler aborts on our kernels where XLA places
-    their outputs in VMEM, as it does inside a whole forward+backward program; here the kernels'
-    outputs are the program's (docs/benchmarks.md)."""
+    """Our attention's backward alone, from abstract residuals: di, do into the kernels'
+    head-major layout, the dq and dk/dv kernels (and at D = 64 their outputs' transposes).
+    libtpu's profiler aborts on our kernels where XLA places their outputs in VMEM, as it does
+    inside a whole forward+backward program; here the kernels' outputs are the program's
+    (docs/benchmarks.md)."""
     import jax
     import jax.numpy as jnp
 
@@ -192,19 +193,14 @@ def _attention_backward_program(spec: Spec):
     cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options)), False)
     tp = cfg.q_len_padded
     head_major = jax.ShapeDtypeStruct((b, h, tp, d), jnp.bfloat16)
+    api_layout = jax.ShapeDtypeStruct((b, tp, h, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)
 
-    if spec.passes == "bwd_layout":
-        # The backward's own layout steps: do into the kernels' layout, dq, dk, dv out of it.
-        def layout(do, dq, dk, dv):
-            return [jnp.swapaxes(do, 1, 2)] + [jnp.swapaxes(g, 1, 2) for g in (dq, dk, dv)]
-
-        return layout, (x,) + (head_major,) * 3
-
+    # The residuals as the custom_vjp saves them: head-major q, k, v; o in the API's layout.
     def backward(q, k, v, o, lse, do):
         return vjp._attention_bwd(cfg, (q, k, v, None, None, o, lse), do)[:3]
 
-    return backward, (head_major,) * 4 + (rows, head_major)
+    return backward, (head_major,) * 3 + (api_layout, rows, api_layout)
 
 
 def _gla_program(spec: Spec):
@@ -262,7 +258,7 @@ def _child(spec: Spec, list_ops: bool = False) -> None:
 
     # deltanet-tpu runs in interpret mode unless the default backend is "tpu" while tracing.
     jax.default_backend = lambda: "tpu"
-    if spec.passes in ("bwd", "bwd_layout"):
+    if spec.passes == "bwd":
         fn, args = _attention_backward_program(spec)
     else:
         fn, args = _program(spec)
@@ -312,9 +308,8 @@ def profile(spec: Spec, timeout: int = 900) -> dict:
     backward; `_attention_backward_program`)."""
     if spec.op == "attention" and spec.impl == "gla_tpu" and spec.passes == "fwd_bwd":
         parts = [_profile_one(dataclasses.replace(spec, passes=p), timeout)
-                 for p in ("fwd", "bwd", "bwd_layout")]
-        record = dict(parts[0], passes="fwd_bwd", key=spec.key,
-                      method="fwd + bwd + bwd layout programs")
+                 for p in ("fwd", "bwd")]
+        record = dict(parts[0], passes="fwd_bwd", key=spec.key, method="fwd + bwd programs")
         if any(p.get("cycles") is None for p in parts):
             record.update(cycles=None, error="; ".join(str(p["error"]) for p in parts))
             return record

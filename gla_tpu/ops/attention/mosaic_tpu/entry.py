@@ -1,10 +1,10 @@
 """Entry of the "mosaic_tpu" attention backend: what it takes, and the call.
 
-The layout step happens here: [B, T, H, D] inputs become head-major [B, H, Tp, D] copies padded to
-the block grid, so that every block's last two dims are (block, D) with D the full dim (D = 64
-included). The output comes back in [B, Tp, H, D] where D is a multiple of 128 (the forward writes
-it there, vjp.token_major_output), head-major otherwise. Kernels: kernels.py; custom_vjp: vjp.py;
-tiles and VMEM: plan.py.
+The layout: [B, T, H, D] inputs are padded to the block grid here and copied head-major
+[B, H, Tp, D] inside the custom_vjp (vjp.py), so that every block's last two dims are (block, D)
+with D the full dim (D = 64 included); the kernels write o, dq, dk, dv back in [B, Tp, H, D] where
+D is a multiple of 128 (vjp.token_major_output). Ring attention's blocks (below) stay head-major.
+Kernels: kernels.py; custom_vjp: vjp.py; tiles and VMEM: plan.py.
 Design, VMEM footprints and roofline: docs/attention_mosaic_tpu.md.
 """
 
@@ -62,14 +62,10 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
       o: [B, T, H, D] in q's dtype.
     """
     cfg = kernel_config(problem, block_sizes, interpret)
-    qh = _head_major(q, cfg.q_len_padded)  # [B, H, Tp, D]
-    kh = _head_major(k, cfg.kv_len_padded)  # [B, Hkv, Sp, D]
-    vh = _head_major(v, cfg.kv_len_padded)
+    tp, sp = cfg.q_len_padded, cfg.kv_len_padded
     q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
-    o = vjp.attention(cfg, qh, kh, vh, q_seg, kv_seg)
-    if vjp.token_major_output(cfg):
-        return o[:, : problem.q_len]  # [B, Tp, H, D]
-    return jnp.swapaxes(o[:, :, : problem.q_len], 1, 2)  # from [B, H, Tp, D]
+    o = vjp.attention(cfg, pad_time(q, tp), pad_time(k, sp), pad_time(v, sp), q_seg, kv_seg)
+    return o[:, : problem.q_len]  # [B, T, H, D]
 
 
 # The blocks of ring attention (ops/attention/ring.py): one (query block, key block) pair, with

@@ -181,6 +181,23 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
         lse_ref[...] = jnp.transpose(lse)[:1, :]
 
 
+def _rows_out(shape, dtype, rows: int, index_map, token_major: bool):
+    """(ShapeDtypeStruct, BlockSpec) of an output written in (rows, D) blocks: head-major
+    `shape` [B, Hx, N, D] at index_map's (b, head, block, 0), or (token_major, D a multiple of
+    128) the same blocks of [B, N, Hx * D] at (b, block, head), which is [B, N, Hx, D] by a free
+    reshape: the API's layout, no transpose after the kernel."""
+    b, hx, n, d = shape
+    if not token_major:
+        return jax.ShapeDtypeStruct(shape, dtype), pl.BlockSpec((None, None, rows, d), index_map)
+
+    def token_map(*grid_index):
+        bi, hi, block, _ = index_map(*grid_index)
+        return bi, block, hi
+
+    return (jax.ShapeDtypeStruct((b, n, hx * d), dtype),
+            pl.BlockSpec((None, rows, d), token_map))
+
+
 def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
     """Index maps of the (batch, head, q block, kv block) grids of the forward and dq kernels.
 
@@ -226,15 +243,8 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None,
     if cfg.has_segments:
         in_specs += seg_specs
         args += [q_seg, kv_seg]
-    if token_major_out:  # o as [B, Tp, H * D]: head hi's columns of q block i
-        o_shape, o_spec = (b, tp, h * d), pl.BlockSpec((None, bq, d),
-                                                      lambda bi, hi, i, j: (bi, i, hi))
-    else:
-        o_shape, o_spec = q.shape, pl.BlockSpec((None, None, bq, d), q_map)
-    out_shape = [
-        jax.ShapeDtypeStruct(o_shape, out_dtype or q.dtype),
-        jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32),
-    ]
+    o_shape, o_spec = _rows_out(q.shape, out_dtype or q.dtype, bq, q_map, token_major_out)
+    out_shape = [o_shape, jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)]
     out_specs = [
         o_spec,
         pl.BlockSpec((None, None, 1, bq), lambda bi, hi, i, j: (bi, hi, 0, i)),
@@ -314,8 +324,10 @@ def _backward_in_specs(bq: int, bkv: int, d: int, q_map, kv_map, row_map):
     ]
 
 
-def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None):
-    """dq [B, H, Tp, D] in `out_dtype` (default q's dtype); lse, di [B, H, 1, Tp] float32."""
+def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None,
+             token_major_out: bool = False):
+    """dq [B, H, Tp, D] (token_major_out: [B, Tp, H * D]) in `out_dtype` (default q's dtype);
+    lse, di [B, H, 1, Tp] float32."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
     grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
@@ -329,7 +341,7 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtyp
     if cfg.has_segments:
         in_specs += seg_specs
         args += [q_seg, kv_seg]
-    out_shape = jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype)
+    out_shape, out_spec = _rows_out(q.shape, out_dtype or q.dtype, bq, q_map, token_major_out)
     name = _call_name("bwd_dq", cfg, bq, bkv)
     with jax.named_scope(name):
         return pl.pallas_call(
@@ -337,7 +349,7 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtyp
             out_shape=out_shape,
             grid=grid,
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, bq, d), q_map),
+            out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
             compiler_params=_compiler_params(
                 cfg, ("parallel", "parallel", "parallel", "arbitrary")
@@ -389,9 +401,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None):
-    """(dk, dv) [B, Hkv, Sp, D] in `out_dtype` (default k's dtype), summed over the G query heads
-    of each kv head."""
+def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None,
+              token_major_out: bool = False):
+    """(dk, dv) [B, Hkv, Sp, D] (token_major_out: [B, Sp, Hkv * D]) in `out_dtype` (default k's
+    dtype), summed over the G query heads of each kv head."""
     b, hkv, sp, d = k.shape
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
     g = cfg.group
@@ -421,8 +434,9 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
             pl.BlockSpec((None, 1, bkv), lambda bi, ni, j, gi, i: (bi, 0, j)),
         ]
         args += [q_seg, kv_seg]
-    out_shape = [jax.ShapeDtypeStruct(k.shape, out_dtype or k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, out_dtype or v.dtype)]
+    outs = [_rows_out(x.shape, out_dtype or x.dtype, bkv, kv_map, token_major_out)
+            for x in (k, v)]
+    out_shape = [shape for shape, _ in outs]
     name = _call_name("bwd_dkv", cfg, bq, bkv)
     with jax.named_scope(name):
         return pl.pallas_call(
@@ -430,10 +444,7 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
             out_shape=out_shape,
             grid=grid,
             in_specs=in_specs,
-            out_specs=[
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-            ],
+            out_specs=[spec for _, spec in outs],
             scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
             compiler_params=_compiler_params(
                 cfg, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")

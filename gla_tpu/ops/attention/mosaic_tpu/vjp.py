@@ -1,9 +1,11 @@
 """custom_vjp wiring of the Mosaic TPU flash attention kernels.
 
-Forward saves (q, k, v, o, lse) and the segment ids; the backward computes di = rowsum(o * do) once
-and runs the dq and dk/dv kernels, which recompute p = exp(s - lse) block by block.
-Arrays are head-major and padded as in `kernels.py`, except o (and so do), which is [B, Tp, H, D]
-where D is a multiple of 128 (`token_major_output`).
+The custom_vjp takes and returns the API's [B, T, H, D] layout (padded to the blocks); the kernels
+read head-major copies of q, k, v and do, made here, and write o, dq, dk and dv in the API's
+layout where D is a multiple of 128 (`token_major_output`), head-major (then transposed) at D = 64.
+Forward saves the head-major q, k, v, o, lse and the segment ids; the backward computes
+di = rowsum(o * do) once and runs the dq and dk/dv kernels, which recompute p = exp(s - lse) block
+by block.
 """
 
 from __future__ import annotations
@@ -18,45 +20,59 @@ from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig
 
 
 def token_major_output(cfg: KernelConfig) -> bool:
-    """Whether the forward writes o token-major, [B, Tp, H, D] (its last two dims (H, D) as one
-    H * D axis of (block, D) blocks, D a multiple of 128), instead of head-major [B, H, Tp, D]:
-    the API's layout, with no transpose after the kernel."""
+    """Whether the kernels write o, dq, dk and dv token-major, [B, N, Hx, D] (their last two dims
+    (Hx, D) as one Hx * D axis of (block, D) blocks, D a multiple of 128), instead of head-major
+    [B, Hx, N, D]: the API's layout, with no transpose after the kernels."""
     return cfg.head_dim % 128 == 0
 
 
-def _forward(cfg, q, k, v, q_seg, kv_seg):
-    if not token_major_output(cfg):
-        return flash_forward(cfg, q, k, v, q_seg, kv_seg)
-    b, h, tp, d = q.shape
-    o, lse = flash_forward(cfg, q, k, v, q_seg, kv_seg, token_major_out=True)
-    return o.reshape(b, tp, h, d), lse
+def _head_major(x):
+    """[B, N, Hx, D] -> [B, Hx, N, D]."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _api_layout(cfg: KernelConfig, x):
+    """A kernel output -> [B, N, Hx, D]: a free reshape of [B, N, Hx * D], or a transpose."""
+    if token_major_output(cfg):
+        b, n, _ = x.shape
+        return x.reshape(b, n, -1, cfg.head_dim)
+    return _head_major(x)
+
+
+def _forward(cfg, qh, kh, vh, q_seg, kv_seg):
+    """(o [B, Tp, H, D], lse [B, H, 1, Tp]) from head-major inputs."""
+    o, lse = flash_forward(cfg, qh, kh, vh, q_seg, kv_seg,
+                           token_major_out=token_major_output(cfg))
+    return _api_layout(cfg, o), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
-    """o from q [B, H, Tp, D], k, v [B, Hkv, Sp, D], segment rows or None: [B, Tp, H, D] where
-    `token_major_output(cfg)`, else [B, H, Tp, D]."""
-    o, _ = _forward(cfg, q, k, v, q_seg, kv_seg)
+    """o [B, Tp, H, D] from q [B, Tp, H, D], k, v [B, Sp, Hkv, D] (padded), segment rows or None.
+    The kernels read head-major copies of q, k, v (and do), made here."""
+    o, _ = _forward(cfg, _head_major(q), _head_major(k), _head_major(v), q_seg, kv_seg)
     return o
 
 
 def _attention_fwd(cfg, q, k, v, q_seg, kv_seg):
-    o, lse = _forward(cfg, q, k, v, q_seg, kv_seg)
-    return o, (q, k, v, q_seg, kv_seg, o, lse)
+    qh, kh, vh = _head_major(q), _head_major(k), _head_major(v)
+    o, lse = _forward(cfg, qh, kh, vh, q_seg, kv_seg)
+    return o, (qh, kh, vh, q_seg, kv_seg, o, lse)
 
 
 def _attention_bwd(cfg, residuals, do):
-    q, k, v, q_seg, kv_seg, o, lse = residuals
+    """Residuals: head-major q, k, v, the segment rows, o [B, Tp, H, D] and lse; do as o.
+    Returns (dq, dk, dv) in the API's layout and no cotangent for the segment ids."""
+    qh, kh, vh, q_seg, kv_seg, o, lse = residuals
     with jax.named_scope("flash_bwd_di"):
-        di = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    if token_major_output(cfg):
-        di = jnp.swapaxes(di, 1, 2)  # [B, Tp, H] -> [B, H, Tp]
-        do = jnp.swapaxes(do, 1, 2)  # the kernels read do head-major
-    di_rows = di[:, :, None, :]  # [B, H, 1, Tp], as lse
-    dq = flash_dq(cfg, q, k, v, do, lse, di_rows, q_seg, kv_seg)
-    dk, dv = flash_dkv(cfg, q, k, v, do, lse, di_rows, q_seg, kv_seg)
-    # Segment ids are integers: no cotangent.
-    return dq, dk, dv, None, None
+        di = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tp, H]
+    di_rows = jnp.swapaxes(di, 1, 2)[:, :, None, :]  # [B, H, 1, Tp], as lse
+    doh = _head_major(do)
+    token_major = token_major_output(cfg)
+    dq = flash_dq(cfg, qh, kh, vh, doh, lse, di_rows, q_seg, kv_seg, token_major_out=token_major)
+    dk, dv = flash_dkv(cfg, qh, kh, vh, doh, lse, di_rows, q_seg, kv_seg,
+                       token_major_out=token_major)
+    return _api_layout(cfg, dq), _api_layout(cfg, dk), _api_layout(cfg, dv), None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
