@@ -43,12 +43,13 @@ ATTENTION = {
     # ragged lengths, padding, a segment-id pair, GQA 8:1
     "b2_t1000_s1300_h8_hkv1_d64_causal_segments": (2, 1000, 1300, 8, 1, 64, True, True),
 }
-# The sweep: T = S in {2048, 8192, 32768} x D x causal, H=8, Hkv=1 (GQA 8:1), B=2 at T=2048 and
-# B=1 otherwise.
+# The sweep: T = S in {2048, 32768} x D x causal, H=8, Hkv=1 (GQA 8:1), B=2 at T=2048 and B=1 at
+# 32768. (T only lengthens the grid; T = 8192 ran here too until 2026-11-23, when the default run
+# needed the time.)
 ATTENTION.update({
     f"t{t}_d{d}_{'causal' if causal else 'full'}_gqa8": (2 if t == 2048 else 1, t, t, 8, 1, d,
                                                          causal, False)
-    for t in (2048, 8192, 32768) for d in (64, 128, 256) for causal in (True, False)})
+    for t in (2048, 32768) for d in (64, 128, 256) for causal in (True, False)})
 
 
 @pytest.mark.parametrize("generation", TPU_GENERATIONS)
@@ -108,8 +109,15 @@ GLA = {
 }
 
 
-@pytest.mark.parametrize("generation", TPU_GENERATIONS)
-@pytest.mark.parametrize("mode,name", [(m, n) for m, configs in GLA.items() for n in configs])
+# The chunk-64 twins of default-chunk configs on v4 (the least VMEM) and v6e; every other config
+# on every generation.
+C64_TWINS = ("key-B2-T4096-H8-K128-V128-C64", "key-B4-T2048-H4-K256-V512-C64")
+C64_GENERATIONS = ("v4", "v6e")
+
+
+@pytest.mark.parametrize("mode,name,generation", [
+    (m, n, gen) for m, configs in GLA.items() for n in configs for gen in TPU_GENERATIONS
+    if n not in C64_TWINS or gen in C64_GENERATIONS])
 def test_gla_compiles(mode, name, generation):
     gate, b, t, h, kd, vd, *chunk_size = GLA[mode][name]
     args = _gla_args(gate, b, t, h, kd, vd)
