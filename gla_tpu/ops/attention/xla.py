@@ -57,19 +57,25 @@ def _weighted_values(p, v, shape):
     return o.reshape(shape)
 
 
+def _normalized(q, k, v, problem, q_segment_ids, kv_segment_ids):
+    """Softmax attention over k, v: (o [B, T, H, D] float32, row max and denominator
+    [B, Hkv, G, T] float32). A row that sees no key gets o = 0 and denominator 0."""
+    b, t, h, d = q.shape
+    s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
+    row_max = jnp.max(s, axis=-1, keepdims=True)
+    # A row that sees no key has max -inf; shifting by 0 keeps it finite and all-zero.
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(row_max)), 0.0)
+    denom = jnp.sum(p, axis=-1)  # [B, Hkv, G, T]
+    rows = jnp.moveaxis(denom, -1, 1).reshape(b, t, h, 1)  # [B, T, H, 1]
+    o = _weighted_values(p, v, (b, t, h, d)) / jnp.where(rows > 0, rows, 1.0)
+    return o, row_max[..., 0], denom
+
+
 def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
     del block_sizes, interpret
-    b, t, h, d = q.shape
     with jax.named_scope("attention_xla"):
-        s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
-        row_max = jnp.max(s, axis=-1, keepdims=True)
-        # A row that sees no key has max -inf; shifting by 0 keeps it finite and all-zero.
-        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-        p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(row_max)), 0.0)
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        o = _weighted_values(p, v, (b, t, h, d))
-        denom = jnp.moveaxis(denom, -2, 1).reshape(b, t, h, 1)  # [B, T, H, 1]
-        o = o / jnp.where(denom > 0, denom, 1.0)
+        o, _, _ = _normalized(q, k, v, problem, q_segment_ids, kv_segment_ids)
     return o.astype(q.dtype)
 
 
@@ -84,18 +90,11 @@ def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
       lse: [B, H, T] float32, natural log; -inf for a row that sees no key of the block.
     """
     del block_sizes, interpret
-    b, t, h, d = q.shape
+    b, t, h, _ = q.shape
     with jax.named_scope("attention_xla_block"):
-        s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
-        row_max = jnp.max(s, axis=-1, keepdims=True)
-        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-        p = jnp.where(mask, jnp.exp(s - row_max), 0.0)
-        denom = jnp.sum(p, axis=-1)  # [B, Hkv, G, T]
-        lse = jnp.where(denom > 0, row_max[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
-                        -jnp.inf)
-        o = _weighted_values(p, v, (b, t, h, d))
-        rows = jnp.moveaxis(denom, -1, 1).reshape(b, t, h, 1)
-        o = o / jnp.where(rows > 0, rows, 1.0)
+        o, row_max, denom = _normalized(q, k, v, problem, q_segment_ids, kv_segment_ids)
+        seen = denom > 0
+        lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
     return o, lse.reshape(b, h, t)
 
 
