@@ -218,12 +218,15 @@ def gla_inputs(rng, b, t, h, kd, vd, with_state=False, gate="fla", per_head=Fals
     return q, k, v, g.astype(np.float32), s0
 
 
-def ours_gla(mode, with_state=False):
+def ours_gla(mode, with_state=False, forward_kernel="auto"):
     from gla_tpu import ops
+    from gla_tpu.ops.gla.pallas_gpu import BlockSizes
+
+    sizes = BlockSizes(forward_kernel=forward_kernel)
 
     def fn(q, k, v, g, *s0):
         o, _ = ops.gla(q, k, v, g, initial_state=s0[0] if s0 else None, mode=mode,
-                       backend="pallas_gpu")
+                       backend="pallas_gpu", block_sizes=sizes)
         return o
 
     return fn
@@ -253,7 +256,7 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
     shape = (b, t, h, kd, vd)
     ours = jax.block_until_ready(jax.jit(ours_gla("chunk"))(jq, jk, jv, jg))
 
-    def jax_impl(name, fn):
+    def jax_impl(name, fn, modes=modes):
         try:
             out = jax.block_until_ready(jax.jit(fn)(jq, jk, jv, jg))
             err = rel_err(out, ours)
@@ -273,6 +276,9 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
 
     if not ctx.peers_only:
         jax_impl("ours_chunk", ours_gla("chunk"))
+        if per_head:  # "auto" takes the Mosaic GPU forward on Hopper; Triton's for comparison
+            jax_impl("ours_chunk_triton_fwd", ours_gla("chunk", forward_kernel="triton"),
+                     modes=[m for m in modes if m == "fwd"])
     if op == "gla":  # jla's GLA takes per-key gates only
         jax_impl("jla_mosaic_gpu", jla_gla)
 

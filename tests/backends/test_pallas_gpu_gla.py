@@ -16,6 +16,7 @@ from gla_tpu import ops
 from gla_tpu.testing.parity import check_gla_parity
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
+from gla_tpu.ops.gla.pallas_gpu import BlockSizes
 from gla_tpu.ops.gla.pallas_gpu import kernels_intra as kernels
 from gla_tpu.ops.gla.pallas_gpu.kernels_recurrent import block_v, recurrent_forward
 from gla_tpu.ops.gla.reference import gla_recurrent_reference
@@ -80,6 +81,58 @@ def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments, gate, kernel
     assert lowered.as_text().count("xla.gpu.triton") == kernels
 
 
+# The Mosaic GPU forward (per-head gates, not differentiated) in GPU interpret mode: a partial
+# last chunk, an initial state, padded K and V (100 -> 128, 192 -> 256: several value tiles),
+# strong gates in float16.
+MOSAIC = BlockSizes(forward_kernel="mosaic_gpu")
+
+
+@pytest.mark.parametrize("case,dtype", [
+    (GLACase(2, 130, 2, 100, 192, gate="head", initial_state=True, gate_strength=1e-3),
+     jnp.float16),
+    (GLACase(1, 150, 2, 64, 64, gate="none", initial_state=True), jnp.bfloat16)], ids=str)
+def test_mosaic_forward_interpret_parity(case, dtype):
+    check_gla_parity(case, jax.random.key(3), dtype=dtype, backend="pallas_gpu",
+                     interpret=True, block_sizes=MOSAIC, grads=False)
+
+
+def test_mosaic_forward_lowers_to_one_kernel_and_training_to_triton():
+    q = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((2, 1000, 2), jnp.float32)
+    s0 = jax.ShapeDtypeStruct((2, 2, 128, 128), jnp.float32)
+
+    def forward(q, k, v, g, s0):
+        return ops.gla(q, k, v, g, initial_state=s0, output_final_state=True,
+                       backend="pallas_gpu", block_sizes=MOSAIC)
+
+    def loss(*args):
+        o, final = forward(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    with hopper_target():
+        text = jax.jit(forward).trace(q, q, q, g, s0).lower(lowering_platforms=("cuda",)).as_text()
+        grad_text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
+            q, q, q, g, s0).lower(lowering_platforms=("cuda",)).as_text()
+    assert (text.count("custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) == (1, 0)
+    assert (grad_text.count("custom_call @mosaic_gpu"), grad_text.count("xla.gpu.triton")) == (0, 7)
+
+
+@pytest.mark.parametrize("gate,key_dim,dtype,segments,match", [
+    ("key", 64, jnp.bfloat16, False, "per-key gates"),
+    ("head", 256, jnp.bfloat16, False, "padded K = 256"),
+    ("head", 64, jnp.float32, False, "float32"),
+    ("head", 64, jnp.bfloat16, True, "segment_ids")])
+def test_forced_mosaic_forward_refuses_what_it_cannot_take(gate, key_dim, dtype, segments, match):
+    x = jnp.ones((1, 64, 1, key_dim), dtype)
+    g = jnp.full((1, 64, 1, key_dim) if gate == "key" else (1, 64, 1), -0.1)
+    seg = jnp.zeros((1, 64), jnp.int32) if segments else None
+    with pytest.raises(NotImplementedError, match=match):
+        ops.gla(x, x, x, g, segment_ids=seg, backend="pallas_gpu", interpret=True,
+                block_sizes=MOSAIC)
+    with pytest.raises(ValueError, match="forward_kernel"):
+        BlockSizes(forward_kernel="cuda")
+
+
 # Gate strengths 1 (fla's benchmark draw), 16 (fla's GLA layer default) and 1e-3 (about -800 a
 # token) at T = 4096 and at K, V = 256, 512; per-head gates at strengths 1 and 1e-3.
 GPU_CASES = [
@@ -104,6 +157,25 @@ GPU_CASES = [
 def test_gpu_parity_bf16(case):
     check_gla_parity(case, jax.random.key(2), dtype=jnp.bfloat16, mode="chunk",
                      backend="pallas_gpu")
+
+
+# The Mosaic GPU forward ("auto" takes it on Hopper for a call that is not differentiated) at every
+# gate distribution of docs/gpu_backend.md, T up to 4096 and not a multiple of the chunk, K 64 and
+# 128, V up to 512, float16, initial states.
+MOSAIC_GPU_CASES = [
+    (GLACase(1, 4096, 2, 128, 128, gate="head"), jnp.bfloat16),
+    (GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=16.0, initial_state=True),
+     jnp.bfloat16),
+    (GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=1e-3), jnp.bfloat16),
+    (GLACase(2, 1000, 3, 64, 512, gate="head", initial_state=True), jnp.float16),
+    (GLACase(2, 777, 2, 100, 64, gate="none", initial_state=True), jnp.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", MOSAIC_GPU_CASES, ids=str)
+def test_gpu_mosaic_forward_parity(case, dtype):
+    check_gla_parity(case, jax.random.key(6), dtype=dtype, backend="pallas_gpu", grads=False)
 
 
 @pytest.mark.gpu

@@ -33,6 +33,16 @@ def default_platform() -> str:
     return jax.devices()[0].platform
 
 
+def is_hopper() -> bool:
+    """Whether the first local GPU is a Hopper (compute capability 9.x), where the Mosaic GPU
+    kernels run by default."""
+    try:
+        device = jax.local_devices(backend="gpu")[0]
+    except RuntimeError:  # no GPU backend
+        return False
+    return str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
 def kernel_backend_for_platform(platform: str) -> str:
     """The Pallas backend "auto" tries first on `platform` ("xla" where there is none)."""
     return _PLATFORM_KERNEL.get(platform, XLA)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
+
+from gla_tpu.ops.common.backends import is_hopper
 
 CONSUMERS = 2  # consumer warpgroups per block
 SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
@@ -167,14 +168,6 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
             block_q_dq=max(16, sizes.block_q_dq // 2), block_kv_dkv=max(16, sizes.block_kv_dkv // 2),
             num_stages=min(sizes.num_stages, 2), num_stages_bwd=1)
     return sizes
-
-
-def is_hopper() -> bool:
-    try:
-        device = jax.local_devices(backend="gpu")[0]
-    except RuntimeError:  # no GPU backend
-        return False
-    return str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 def mosaic_forward_tiles(problem, sizes: BlockSizes, interpret: bool) -> ForwardTiles | None:

@@ -27,6 +27,7 @@ from gla_tpu.ops.gla.pallas_gpu.plan import (
     MAX_RECURRENT_T,
     BlockSizes,
     chunk_geometry,
+    mosaic_forward,
     padded_dim,
 )
 from gla_tpu.ops.gla.validation import GATE_KINDS, RESOLVED_MODES
@@ -81,11 +82,15 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
     if segment_ids is not None:
         seg = pad_segment_index(segment_index(segment_ids), CHUNK)
         reach, last, keep, start = segment_masks(seg, CHUNK)
+    block_sizes = block_sizes or BlockSizes()
+    per_head = g is None or g.ndim == 3
+    use_mosaic = not few_tokens and mosaic_forward(
+        block_sizes, bool(interpret), per_head=per_head, has_segments=segment_ids is not None,
+        dtype=q.dtype, key_dim=kp)
     geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
                          has_segments=segment_ids is not None,
-                         exact_inter=problem.mode == "fused_recurrent",
-                         per_head=g is None or g.ndim == 3,
-                         block_sizes=block_sizes or BlockSizes())
+                         exact_inter=problem.mode == "fused_recurrent", per_head=per_head,
+                         mosaic_forward=use_mosaic, block_sizes=block_sizes)
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if few_tokens:
             o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
+
+from gla_tpu.ops.common.backends import is_hopper
 
 CHUNK = 64  # the GPU kernels' chunk length (chunk_size=64; the result does not depend on it)
 # Up to this many tokens without segments, the forward runs the token-by-token kernel
@@ -15,6 +18,9 @@ MAX_RECURRENT_T = 16
 BLOCK_K = 64  # K tile
 MAX_DIM = 512
 VALUE_BLOCKS = (64, 128)
+FORWARD_KERNELS = ("auto", "triton", "mosaic_gpu")
+MOSAIC_BLOCK_V = 64  # V tile of the Mosaic GPU forward (one block per V tile, head and batch)
+MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in registers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,14 +32,22 @@ class BlockSizes:
         from V = 256 on, else 64). Clamped to the padded V.
       num_warps, num_warps_dqk: warps per program of every kernel but dq/dk/dg, and of that one.
       num_stages: software-pipelining stages of the Triton loops.
+      forward_kernel: the forward of a call that is not differentiated, with per-head gates or
+        none: "mosaic_gpu" (kernels_mosaic_forward.py, one kernel over the chunks in order),
+        "triton" (the chunked kernels), or "auto": Mosaic GPU on a Hopper GPU where it applies
+        (mosaic_forward_reason), else Triton. Training always runs the chunked kernels.
     """
 
     block_v: int | None = None
     num_warps: int = 4
     num_warps_dqk: int = 4
     num_stages: int = 2
+    forward_kernel: str = "auto"
 
     def __post_init__(self):
+        if self.forward_kernel not in FORWARD_KERNELS:
+            raise ValueError(f"BlockSizes.forward_kernel={self.forward_kernel!r} must be one of "
+                             f"{FORWARD_KERNELS}.")
         if self.block_v is not None and self.block_v not in VALUE_BLOCKS:
             raise ValueError(
                 f"BlockSizes.block_v={self.block_v!r} must be None or one of {VALUE_BLOCKS}.")
@@ -69,6 +83,8 @@ class ChunkGeometry:
     # one gate per head and token (or none): the intra-chunk decay exp(b_r - b_x) is one number
     # per pair, applied to the [C, C] product (kernels_intra.py)
     per_head: bool = False
+    # the undifferentiated forward runs kernels_mosaic_forward.py (plan.mosaic_forward)
+    mosaic_forward: bool = False
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -84,6 +100,7 @@ def value_block(value_dim: int) -> int:
 
 def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: float,
                    has_segments: bool, exact_inter: bool, per_head: bool = False,
+                   mosaic_forward: bool = False,
                    block_sizes: BlockSizes = BlockSizes()) -> ChunkGeometry:
     """The kernels' tiles for padded T, K and V (powers of two >= 64). `exact_inter` (mode
     "fused_recurrent") keeps dq's and dk's products with the float32 states float32-accurate, as
@@ -96,8 +113,37 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         value_dim=value_dim, num_chunks=-(-padded_len // CHUNK), scale=scale,
         has_segments=has_segments, num_warps=block_sizes.num_warps,
         num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
-        exact_inter=exact_inter, per_head=per_head,
+        exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
     )
+
+
+def mosaic_forward_reason(*, per_head: bool, has_segments: bool, dtype, key_dim: int):
+    """Why the Mosaic GPU forward cannot take a problem (None: it can); key_dim is padded K."""
+    if not per_head:
+        return "per-key gates"
+    if has_segments:
+        return "segment_ids"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
+    if key_dim not in MOSAIC_KEY_DIMS:
+        return f"padded K = {key_dim} (it takes {MOSAIC_KEY_DIMS})"
+    return None
+
+
+def mosaic_forward(block_sizes: BlockSizes, interpret: bool, **problem) -> bool:
+    """Whether an undifferentiated chunked forward runs the Mosaic GPU kernel. "auto" takes it on a
+    Hopper GPU where it applies (interpret mode stays with Triton, the tested default there);
+    "mosaic_gpu" takes it anywhere it applies and refuses what it cannot take."""
+    if block_sizes.forward_kernel == "triton":
+        return False
+    reason = mosaic_forward_reason(**problem)
+    if block_sizes.forward_kernel == "mosaic_gpu":
+        if reason is not None:
+            raise NotImplementedError(
+                f"BlockSizes(forward_kernel='mosaic_gpu') cannot take {reason}; "
+                "forward_kernel='auto' or 'triton' can.")
+        return True
+    return reason is None and not interpret and is_hopper()
 
 
 def padded_dim(d: int) -> int:

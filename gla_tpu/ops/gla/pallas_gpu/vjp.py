@@ -20,10 +20,12 @@ from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.ops.gla.pallas_gpu import (
     kernels_intra,
+    kernels_mosaic_forward,
     kernels_output,
     kernels_recurrent,
     kernels_state,
 )
+from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_BLOCK_V
 
 
 def _by_grid(kernel, bounded, *operands, **static):
@@ -38,16 +40,30 @@ def _by_grid(kernel, bounded, *operands, **static):
                     functools.partial(kernel, **static, all_bounded=False), *operands)
 
 
+def _gate_sums(g, geo):
+    """Chunk-local sums of gates g [B, Tp, H, K]; per-head gates are summed once per head."""
+    if geo.per_head:
+        b = chunk_local_cumsum(g[..., 0], geo.chunk, method="triangular")
+        return jnp.broadcast_to(b[..., None], g.shape)
+    return chunk_local_cumsum(g, geo.chunk, method="triangular")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
 def chunked(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
     """(o [B, Tp, H, V], final state [B, H, K, V] float32) from inputs padded to whole chunks and
-    padded K, V (entry.py); gates g [B, Tp, H, K] float32."""
+    padded K, V (entry.py); gates g [B, Tp, H, K] float32. Not differentiated, per-head gates
+    may run the one Mosaic GPU kernel (geo.mosaic_forward); training runs the chunked ones."""
+    if geo.mosaic_forward:
+        b = chunk_local_cumsum(g[..., 0], geo.chunk, method="triangular")  # [B, Tp, H]
+        return kernels_mosaic_forward.forward(
+            q, k, v, jnp.swapaxes(b, 1, 2), s0, scale=geo.scale, chunk=geo.chunk,
+            block_v=MOSAIC_BLOCK_V, interpret=interpret)
     out, _ = _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret)
     return out
 
 
 def _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
-    b = chunk_local_cumsum(g, geo.chunk, method="triangular")  # [B, Tp, H, K] float32
+    b = _gate_sums(g, geo)  # [B, Tp, H, K] float32
     states, final = kernels_state.state_pass(k, v, b, last, keep, s0, geo=geo, reverse=False,
                                              interpret=interpret)
     # [B, H, N]: chunks whose intra products take one whole-chunk product (kernels_intra.py);
