@@ -18,6 +18,7 @@ from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.ops.gla.pallas_gpu import BlockSizes
 from gla_tpu.ops.gla.pallas_gpu import kernels_intra as kernels
+from gla_tpu.ops.gla.pallas_gpu import plan
 from gla_tpu.ops.gla.pallas_gpu.kernels_recurrent import block_v, recurrent_forward
 from gla_tpu.ops.gla.reference import gla_recurrent_reference
 from gla_tpu.testing.gpu_lowering import hopper_target
@@ -83,27 +84,39 @@ def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments, gate, kernel
 
 # The Mosaic GPU forward (per-head gates, not differentiated) in GPU interpret mode: a partial
 # last chunk, an initial state, padded K and V (100 -> 128, 192 -> 256: several value tiles),
-# strong gates in float16.
+# strong gates in float16; T split in two segments (forward_mosaic.py), padded to whole ones.
 MOSAIC = BlockSizes(forward_kernel="mosaic_gpu")
 
 
-@pytest.mark.parametrize("case,dtype", [
+@pytest.mark.parametrize("case,dtype,splits", [
     (GLACase(2, 130, 2, 100, 192, gate="head", initial_state=True, gate_strength=1e-3),
-     jnp.float16),
-    (GLACase(1, 150, 2, 64, 64, gate="none", initial_state=True), jnp.bfloat16)], ids=str)
-def test_mosaic_forward_interpret_parity(case, dtype):
+     jnp.float16, 1),
+    (GLACase(1, 300, 2, 64, 64, gate="head", initial_state=True, gate_strength=4.0),
+     jnp.bfloat16, 2)], ids=str)
+def test_mosaic_forward_interpret_parity(case, dtype, splits):
+    sizes = BlockSizes(forward_kernel="mosaic_gpu", mosaic_time_splits=splits)
     check_gla_parity(case, jax.random.key(3), dtype=dtype, backend="pallas_gpu",
-                     interpret=True, block_sizes=MOSAIC, grads=False)
+                     interpret=True, block_sizes=sizes, grads=False)
 
 
-def test_mosaic_forward_lowers_to_one_kernel_and_training_to_triton():
+@pytest.mark.parametrize("blocks,chunks,expected", [(128, 64, 1), (32, 256, 4), (4, 64, 16),
+                                                    (4, 6, 1), (66, 8, 2)])
+def test_mosaic_time_splits_fill_one_wave(monkeypatch, blocks, chunks, expected):
+    monkeypatch.setattr(plan, "gpu_sm_count", lambda: 132)
+    assert plan.mosaic_time_splits(blocks, chunks) == expected
+
+
+# one kernel; with T split, two (the segments' end states, then the outputs)
+@pytest.mark.parametrize("splits,kernels", [(1, 1), (4, 2)])
+def test_mosaic_forward_lowers_to_mosaic_and_training_to_triton(splits, kernels):
+    sizes = BlockSizes(forward_kernel="mosaic_gpu", mosaic_time_splits=splits)
     q = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((2, 1000, 2), jnp.float32)
     s0 = jax.ShapeDtypeStruct((2, 2, 128, 128), jnp.float32)
 
     def forward(q, k, v, g, s0):
         return ops.gla(q, k, v, g, initial_state=s0, output_final_state=True,
-                       backend="pallas_gpu", block_sizes=MOSAIC)
+                       backend="pallas_gpu", block_sizes=sizes)
 
     def loss(*args):
         o, final = forward(*args)
@@ -113,7 +126,7 @@ def test_mosaic_forward_lowers_to_one_kernel_and_training_to_triton():
         text = jax.jit(forward).trace(q, q, q, g, s0).lower(lowering_platforms=("cuda",)).as_text()
         grad_text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
             q, q, q, g, s0).lower(lowering_platforms=("cuda",)).as_text()
-    assert (text.count("custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) == (1, 0)
+    assert (text.count("custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) == (kernels, 0)
     assert (grad_text.count("custom_call @mosaic_gpu"), grad_text.count("xla.gpu.triton")) == (0, 7)
 
 
@@ -131,6 +144,8 @@ def test_forced_mosaic_forward_refuses_what_it_cannot_take(gate, key_dim, dtype,
                 block_sizes=MOSAIC)
     with pytest.raises(ValueError, match="forward_kernel"):
         BlockSizes(forward_kernel="cuda")
+    with pytest.raises(ValueError, match="mosaic_time_splits"):
+        BlockSizes(mosaic_time_splits=3)
 
 
 # Gate strengths 1 (fla's benchmark draw), 16 (fla's GLA layer default) and 1e-3 (about -800 a

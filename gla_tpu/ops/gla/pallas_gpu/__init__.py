@@ -1,5 +1,6 @@
-"""The "pallas_gpu" GLA backend (Pallas on NVIDIA GPUs, Triton lowering): the chunked algorithm
-for every mode, a token-by-token forward for decoding.
+"""The "pallas_gpu" GLA backend (Pallas on NVIDIA GPUs): the chunked algorithm for every mode
+(Triton), a token-by-token forward for decoding (Triton), and on Hopper a Mosaic GPU forward for
+per-head gates when the call is not differentiated.
 
     entry.py              what the backend takes, and the call (padding, gates, segment masks)
     vjp.py                jax.custom_vjp wiring of the kernels
@@ -7,6 +8,8 @@ for every mode, a token-by-token forward for decoding.
     kernels_intra.py      intra-chunk scores, dA, and dq / dk / dg
     kernels_output.py     outputs and dv
     kernels_recurrent.py  the few-token (decode) forward
+    kernels_mosaic_forward.py  the per-head-gate forward in one Mosaic GPU kernel (Hopper)
+    forward_mosaic.py     that forward, split in time where its blocks cannot fill the GPU
     plan.py               ChunkGeometry, tiles, padded head dims
 """
 

@@ -39,7 +39,8 @@ CAPABILITIES = Capabilities(
     features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=(CHUNK,),
     notes="every mode runs the chunked Triton kernels (fused_recurrent with float32-accurate "
           "state products in its backward); T <= 16 without segments: a token-by-token "
-          "forward; forward and backward incl. dg",
+          "forward; forward and backward incl. dg; on Hopper, an undifferentiated call with "
+          "per-head or no gates (16-bit, K <= 128, no segments) runs one Mosaic GPU forward",
     block_sizes=BlockSizes,
 )
 
@@ -90,7 +91,8 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
     geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
                          has_segments=segment_ids is not None,
                          exact_inter=problem.mode == "fused_recurrent", per_head=per_head,
-                         mosaic_forward=use_mosaic, block_sizes=block_sizes)
+                         mosaic_forward=use_mosaic, batch=b, heads=h,
+                         block_sizes=block_sizes)
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if few_tokens:
             o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))

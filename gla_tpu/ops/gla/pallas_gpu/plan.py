@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
@@ -36,6 +37,8 @@ class BlockSizes:
         none: "mosaic_gpu" (kernels_mosaic_forward.py, one kernel over the chunks in order),
         "triton" (the chunked kernels), or "auto": Mosaic GPU on a Hopper GPU where it applies
         (mosaic_forward_reason), else Triton. Training always runs the chunked kernels.
+      mosaic_time_splits: segments of T the Mosaic GPU forward runs side by side (a power of
+        two; None: `mosaic_time_splits`, from the GPU's SM count).
     """
 
     block_v: int | None = None
@@ -43,8 +46,14 @@ class BlockSizes:
     num_warps_dqk: int = 4
     num_stages: int = 2
     forward_kernel: str = "auto"
+    mosaic_time_splits: int | None = None
 
     def __post_init__(self):
+        splits = self.mosaic_time_splits
+        if splits is not None and not (isinstance(splits, int) and splits >= 1
+                                       and splits & (splits - 1) == 0):
+            raise ValueError(f"BlockSizes.mosaic_time_splits={splits!r} must be None or a power "
+                             "of two >= 1.")
         if self.forward_kernel not in FORWARD_KERNELS:
             raise ValueError(f"BlockSizes.forward_kernel={self.forward_kernel!r} must be one of "
                              f"{FORWARD_KERNELS}.")
@@ -83,8 +92,10 @@ class ChunkGeometry:
     # one gate per head and token (or none): the intra-chunk decay exp(b_r - b_x) is one number
     # per pair, applied to the [C, C] product (kernels_intra.py)
     per_head: bool = False
-    # the undifferentiated forward runs kernels_mosaic_forward.py (plan.mosaic_forward)
+    # the undifferentiated forward runs kernels_mosaic_forward.py (plan.mosaic_forward), on
+    # this many segments of T side by side (forward_mosaic.py)
     mosaic_forward: bool = False
+    mosaic_splits: int = 1
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -100,7 +111,7 @@ def value_block(value_dim: int) -> int:
 
 def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: float,
                    has_segments: bool, exact_inter: bool, per_head: bool = False,
-                   mosaic_forward: bool = False,
+                   mosaic_forward: bool = False, batch: int = 1, heads: int = 1,
                    block_sizes: BlockSizes = BlockSizes()) -> ChunkGeometry:
     """The kernels' tiles for padded T, K and V (powers of two >= 64). `exact_inter` (mode
     "fused_recurrent") keeps dq's and dk's products with the float32 states float32-accurate, as
@@ -108,13 +119,39 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
     states to the input dtype there, as XLA's chunked baseline and fla's chunk_gla do
     (docs/gpu_backend.md)."""
     block_v = min(block_sizes.block_v or value_block(value_dim), value_dim)
+    num_chunks = -(-padded_len // CHUNK)
+    splits = 1
+    if mosaic_forward:
+        splits = block_sizes.mosaic_time_splits or mosaic_time_splits(
+            batch * heads * (value_dim // MOSAIC_BLOCK_V), num_chunks)
     return ChunkGeometry(
         chunk=CHUNK, block_k=BLOCK_K, block_v=block_v, key_dim=key_dim,
-        value_dim=value_dim, num_chunks=-(-padded_len // CHUNK), scale=scale,
+        value_dim=value_dim, num_chunks=num_chunks, scale=scale,
         has_segments=has_segments, num_warps=block_sizes.num_warps,
         num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
         exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
+        mosaic_splits=splits,
     )
+
+
+MIN_SEGMENT_CHUNKS = 4  # a segment of the split Mosaic GPU forward has at least this many chunks
+
+
+def gpu_sm_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the first local GPU (an H100 SXM's 132 without one)."""
+    try:
+        return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", default))
+    except RuntimeError:  # no GPU backend
+        return default
+
+
+def mosaic_time_splits(blocks: int, num_chunks: int) -> int:
+    """Segments of T for the Mosaic GPU forward: doubled while twice the blocks still fit in one
+    wave over the SMs and a segment keeps MIN_SEGMENT_CHUNKS chunks (docs/gpu_backend.md)."""
+    sms, splits = gpu_sm_count(), 1
+    while blocks * splits * 2 <= sms and num_chunks // (splits * 2) >= MIN_SEGMENT_CHUNKS:
+        splits *= 2
+    return splits
 
 
 def mosaic_forward_reason(*, per_head: bool, has_segments: bool, dtype, key_dim: int):

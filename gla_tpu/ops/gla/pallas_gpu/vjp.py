@@ -19,13 +19,12 @@ from jax import lax
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.ops.gla.pallas_gpu import (
+    forward_mosaic,
     kernels_intra,
-    kernels_mosaic_forward,
     kernels_output,
     kernels_recurrent,
     kernels_state,
 )
-from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_BLOCK_V
 
 
 def _by_grid(kernel, bounded, *operands, **static):
@@ -54,10 +53,7 @@ def chunked(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret):
     padded K, V (entry.py); gates g [B, Tp, H, K] float32. Not differentiated, per-head gates
     may run the one Mosaic GPU kernel (geo.mosaic_forward); training runs the chunked ones."""
     if geo.mosaic_forward:
-        b = chunk_local_cumsum(g[..., 0], geo.chunk, method="triangular")  # [B, Tp, H]
-        return kernels_mosaic_forward.forward(
-            q, k, v, jnp.swapaxes(b, 1, 2), s0, scale=geo.scale, chunk=geo.chunk,
-            block_v=MOSAIC_BLOCK_V, interpret=interpret)
+        return forward_mosaic.forward(q, k, v, g[..., 0], s0, geo=geo, interpret=interpret)
     out, _ = _chunked_fwd(q, k, v, g, s0, seg, reach, last, keep, start, geo, interpret)
     return out
 
