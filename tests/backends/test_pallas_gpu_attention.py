@@ -45,6 +45,8 @@ BF16, F16 = jnp.bfloat16, jnp.float16
     # several tiles and a ring that wraps: consumer 0 releases the steps only consumer 1 needs
     (AttentionCase(1, 300, 300, 2, 2, 64, causal=True), ForwardTiles(64, 64, 3), F16),
     (AttentionCase(1, 260, 390, 2, 2, 64, causal=True), ForwardTiles(128, 128, 2), BF16),
+    # head dim 256 with its default tiles, GQA, padded keys
+    (AttentionCase(1, 130, 200, 2, 1, 256, causal=True), ForwardTiles(64, 64, 2), F16),
 ], ids=str)
 def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
@@ -114,7 +116,7 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(head_dim=256), "head dim 256"),
+    (dict(head_dim=32), "head dim 32"),
     (dict(dtype=jnp.float32), "float32"),
     (dict(segments=True), "segment_ids"),
 ])
@@ -158,7 +160,7 @@ def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
     monkeypatch.setattr(plan, "is_hopper", lambda: True)
     assert plan.mosaic_forward_tiles(_problem(), sizes, False) == sizes.mosaic_forward
     assert plan.mosaic_forward_tiles(_problem(), sizes, True) is None  # interpret: Triton
-    assert plan.mosaic_forward_tiles(_problem(256), sizes, False) is None
+    assert plan.mosaic_forward_tiles(_problem(32), sizes, False) is None
     assert plan.mosaic_forward_tiles(_problem(dtype=jnp.float32), sizes, False) is None
     assert plan.mosaic_forward_tiles(_problem(segments=True), sizes, False) is None
     triton = BlockSizes(forward_kernel="triton")
@@ -174,6 +176,9 @@ GPU_CASES = [
     AttentionCase(2, 1000, 1500, 4, 1, 128, causal=True),
     AttentionCase(2, 1500, 1000, 4, 2, 64, causal=True),
     AttentionCase(1, 777, 1029, 4, 4, 64, causal=False),
+    AttentionCase(1, 2048, 2048, 4, 4, 256, causal=True),
+    AttentionCase(2, 1000, 1500, 4, 2, 256, causal=True),
+    AttentionCase(1, 1029, 777, 2, 2, 256, causal=False),
 ]
 
 
@@ -211,8 +216,8 @@ TRITON_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", TRITON_GPU_CASES, ids=str)
 def test_gpu_triton_parity_bf16(case):
-    # the Triton forward, forced: on Hopper "auto" takes the Mosaic GPU forward at D 64 / 128
-    # without segments, which test_gpu_parity above checks at these shapes
+    # the Triton forward, forced: on Hopper "auto" takes the Mosaic GPU forward at D 64 / 128 /
+    # 256 without segments, which test_gpu_parity above checks at these shapes
     sizes = dataclasses.replace(default_block_sizes(case.head_dim, jnp.bfloat16),
                                 forward_kernel="triton")
     check_attention_parity(case, jax.random.key(2), dtype=jnp.bfloat16, backend="pallas_gpu",

@@ -89,9 +89,9 @@ MOSAIC = BlockSizes(forward_kernel="mosaic_gpu")
 
 
 @pytest.mark.parametrize("case,dtype,splits", [
-    (GLACase(2, 130, 2, 100, 192, gate="head", initial_state=True, gate_strength=1e-3),
+    (GLACase(1, 130, 1, 100, 192, gate="head", initial_state=True, gate_strength=1e-3),
      jnp.float16, 1),
-    (GLACase(1, 300, 2, 64, 64, gate="head", initial_state=True, gate_strength=4.0),
+    (GLACase(1, 300, 1, 64, 64, gate="head", initial_state=True, gate_strength=4.0),
      jnp.bfloat16, 2)], ids=str)
 def test_mosaic_forward_interpret_parity(case, dtype, splits):
     sizes = BlockSizes(forward_kernel="mosaic_gpu", mosaic_time_splits=splits)

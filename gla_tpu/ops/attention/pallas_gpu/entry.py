@@ -28,8 +28,8 @@ CAPABILITIES = Capabilities(
     platform="CUDA GPU (H100/H200; CPU with interpret=True)",
     dtypes=("bfloat16", "float16", "float32"),
     dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
-    notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 "
-          "in bf16 / f16 without segment_ids, Triton elsewhere; dq and dk/dv kernels: Triton",
+    notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 / "
+          "256 in bf16 / f16 without segment_ids, Triton elsewhere; dq and dk/dv kernels: Triton",
     block_sizes=BlockSizes,
 )
 

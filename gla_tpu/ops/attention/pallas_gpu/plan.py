@@ -17,7 +17,7 @@ SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
 # (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
 ALLOCATION_SLACK = 2560
 # what the Mosaic GPU forward takes (other problems take the Triton forward)
-MOSAIC_FORWARD_HEAD_DIMS = (64, 128)
+MOSAIC_FORWARD_HEAD_DIMS = (64, 128, 256)
 MOSAIC_FORWARD_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -99,7 +99,7 @@ class BlockSizes:
     """Tiles of the three kernels (performance only). Every block is a power of two >= 16.
 
     `forward_kernel` picks the forward: "auto" takes the Mosaic GPU kernel on Hopper where it
-    applies (head dim 64 / 128, bfloat16 / float16, no segment ids) and Triton elsewhere;
+    applies (head dim 64 / 128 / 256, bfloat16 / float16, no segment ids) and Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
     `mosaic_forward` holds its tiles.
     """
@@ -160,8 +160,11 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
         sizes = BlockSizes(128, 128, 64, 64, 64, 64, num_warps=8, num_warps_dq=4,
                            num_warps_dkv=4, num_stages=3, num_stages_bwd=2)
     else:
+        # Mosaic GPU forward at D = 256: 64 keys a step, two slots (the q/o tiles and the K/V
+        # ring take 197 KiB of the 227)
         sizes = BlockSizes(64, 32, 64, 32, 32, 64, num_warps=8, num_warps_dq=8,
-                           num_warps_dkv=8, num_stages=2, num_stages_bwd=1)
+                           num_warps_dkv=8, num_stages=2, num_stages_bwd=1,
+                           mosaic_forward=ForwardTiles(64, 64, 2))
     if wide:
         sizes = dataclasses.replace(
             sizes, block_q=max(16, sizes.block_q // 2), block_kv=max(16, sizes.block_kv // 2),
