@@ -82,20 +82,17 @@ def test_lowers_to_triton_fwd_and_bwd(key_dim, value_dim, segments, gate, kernel
     assert lowered.as_text().count("xla.gpu.triton") == kernels
 
 
-# The Mosaic GPU forward (per-head gates, not differentiated) in GPU interpret mode: a partial
-# last chunk, an initial state, padded K and V (100 -> 128, 192 -> 256: several value tiles),
-# strong gates in float16; T split in two segments (forward_mosaic.py), padded to whole ones.
+# The Mosaic GPU forward (per-head gates, not differentiated) in GPU interpret mode: T split in
+# two segments (forward_mosaic.py: the states-only pass, the scan, the outputs) and padded to
+# whole ones, a partial last chunk, an initial state, padded K and V (100 -> 128, 192 -> 256:
+# several value tiles), float16. On the GPU: test_gpu_mosaic_forward_parity, split and not.
 MOSAIC = BlockSizes(forward_kernel="mosaic_gpu")
 
 
-@pytest.mark.parametrize("case,dtype,splits", [
-    (GLACase(1, 130, 1, 100, 192, gate="head", initial_state=True, gate_strength=1e-3),
-     jnp.float16, 1),
-    (GLACase(1, 300, 1, 64, 64, gate="head", initial_state=True, gate_strength=4.0),
-     jnp.bfloat16, 2)], ids=str)
-def test_mosaic_forward_interpret_parity(case, dtype, splits):
-    sizes = BlockSizes(forward_kernel="mosaic_gpu", mosaic_time_splits=splits)
-    check_gla_parity(case, jax.random.key(3), dtype=dtype, backend="pallas_gpu",
+def test_mosaic_forward_interpret_parity():
+    case = GLACase(1, 300, 1, 100, 192, gate="head", initial_state=True, gate_strength=4.0)
+    sizes = BlockSizes(forward_kernel="mosaic_gpu", mosaic_time_splits=2)
+    check_gla_parity(case, jax.random.key(3), dtype=jnp.float16, backend="pallas_gpu",
                      interpret=True, block_sizes=sizes, grads=False)
 
 
@@ -176,21 +173,26 @@ def test_gpu_parity_bf16(case):
 
 # The Mosaic GPU forward ("auto" takes it on Hopper for a call that is not differentiated) at every
 # gate distribution of docs/gpu_backend.md, T up to 4096 and not a multiple of the chunk, K 64 and
-# 128, V up to 512, float16, initial states.
+# 128, V up to 512, float16, initial states. These shapes have few blocks, so "auto" splits T
+# (forward_mosaic.py); splits=1 runs the one kernel alone.
 MOSAIC_GPU_CASES = [
-    (GLACase(1, 4096, 2, 128, 128, gate="head"), jnp.bfloat16),
+    (GLACase(1, 4096, 2, 128, 128, gate="head"), jnp.bfloat16, None),
+    (GLACase(1, 4096, 2, 128, 128, gate="head"), jnp.bfloat16, 1),
     (GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=16.0, initial_state=True),
-     jnp.bfloat16),
-    (GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=1e-3), jnp.bfloat16),
-    (GLACase(2, 1000, 3, 64, 512, gate="head", initial_state=True), jnp.float16),
-    (GLACase(2, 777, 2, 100, 64, gate="none", initial_state=True), jnp.bfloat16),
+     jnp.bfloat16, None),
+    (GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=1e-3), jnp.bfloat16, None),
+    (GLACase(2, 1000, 3, 64, 512, gate="head", initial_state=True), jnp.float16, None),
+    (GLACase(2, 777, 2, 100, 64, gate="none", initial_state=True), jnp.bfloat16, None),
+    (GLACase(2, 777, 2, 100, 64, gate="head", initial_state=True), jnp.float16, 1),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,dtype", MOSAIC_GPU_CASES, ids=str)
-def test_gpu_mosaic_forward_parity(case, dtype):
-    check_gla_parity(case, jax.random.key(6), dtype=dtype, backend="pallas_gpu", grads=False)
+@pytest.mark.parametrize("case,dtype,splits", MOSAIC_GPU_CASES, ids=str)
+def test_gpu_mosaic_forward_parity(case, dtype, splits):
+    sizes = BlockSizes(mosaic_time_splits=splits)
+    check_gla_parity(case, jax.random.key(6), dtype=dtype, backend="pallas_gpu", grads=False,
+                     block_sizes=sizes)
 
 
 @pytest.mark.gpu

@@ -99,7 +99,7 @@ class BlockSizes:
     """Tiles of the three kernels (performance only). Every block is a power of two >= 16.
 
     `forward_kernel` picks the forward: "auto" takes the Mosaic GPU kernel on Hopper where it
-    applies (head dim 64 / 128 / 256, bfloat16 / float16, no segment ids) and Triton elsewhere;
+    applies (head dim 64 / 128 / 256, bfloat16 / float16, no segment ids), Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
     `mosaic_forward` holds its tiles.
     """
