@@ -12,7 +12,8 @@ Outputs match the Triton forward exactly in meaning, so the Triton backward cons
 q's dtype and the base-2 log-sum-exp lse [B, H, Tp] (0 for a row that sees no key, whose o is 0).
 Causal masking is bottom-right (key j visible to query i iff j <= i + S - T); keys at or past the
 true S are masked. Segment ids, float32 and head dims other than 64 / 128 / 256 take the
-Triton forward (plan.mosaic_forward_unsupported_reason). docs/gpu_backend.md has the design and the measurements.
+Triton forward (plan.mosaic_forward_unsupported_reason). docs/gpu_backend.md has the design and
+the measurements.
 """
 
 from __future__ import annotations
