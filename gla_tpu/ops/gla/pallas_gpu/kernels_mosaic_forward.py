@@ -1,9 +1,11 @@
 """GLA forward with per-head gates for Hopper, in Pallas Mosaic GPU: one kernel, chunks in order.
 
 One block per (value tile, head, batch) walks the chunks of its sequence in order and keeps the
-state tile S [K, block_v] in float32 registers (the wgmma accumulator) from chunk to chunk; the TMA
-unit loads the next chunk's q, k, v and gate sums while this one computes (`plgpu.emit_pipeline`,
-two slots). Per chunk of C rows, with b the chunk-local gate sums (non-increasing, b_{-1} = 0):
+state tile S [K, block_v] in float32 registers (the wgmma accumulator) from chunk to chunk; a
+producer warpgroup has the TMA unit load the next chunk's q, k, v and gate sums into a ring of
+two shared-memory slots while the consumer warpgroup computes this one (GPU interpret mode does
+not take `plgpu.emit_pipeline`'s predicated copies, so the ring is written out here). Per chunk
+of C rows, with b the chunk-local gate sums (non-increasing, b_{-1} = 0):
 
     A   = (q k^T) * E * scale,      E_rx = exp(b_r - b_x) for x <= r, else 0     [C, C]
     o   = scale * exp(b_r) * (q S) + A v                                          [C, block_v]
