@@ -31,6 +31,7 @@ from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
     visibility_mask,
 )
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
+from gla_tpu.ops.common.mosaic_gpu import ring_producer
 
 LOG2E = math.log2(math.e)
 
@@ -150,23 +151,7 @@ def _producer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps):
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-    for step in range(tiles.stages):  # fill the ring
-        pl.when(step < tile_steps)(lambda step=step: load(jnp.int32(step), step))
-
-    def refill(step, _):
-        slot = lax.rem(step, jnp.int32(tiles.stages))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(step, slot)
-
-    lax.fori_loop(tiles.stages, tile_steps, refill, None)
-
-    def drain(step, _):  # the last releases: every thread sees every phase of its barriers
-        slot = lax.rem(step, jnp.int32(tiles.stages))
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-
-    lax.fori_loop(jnp.maximum(tile_steps - tiles.stages, 0), tile_steps, drain, None)
+    ring_producer(load, steps=tile_steps, stages=tiles.stages, free=(k_free, v_free))
 
 
 def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):

@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from gla_tpu.ops.common.mosaic_gpu import ring_producer
+
 
 def _swizzled(dtype):
     """Tiling + 128-byte swizzle of a 2-D SMEM tile, as wgmma and TMA want it."""
@@ -165,20 +167,7 @@ def _producer(refs, *, geo):
         for copy in range(b_smem.shape[1]):
             plgpu.copy_gmem_to_smem(b_ref.at[rows], b_smem.at[slot, copy], ready.at[slot])
 
-    for i in range(min(stages, n)):  # fill the ring
-        load(jnp.int32(i), i)
-
-    def refill(i, _):
-        slot = lax.rem(i, jnp.int32(stages))
-        plgpu.barrier_wait(free.at[slot])
-        load(i, slot)
-
-    lax.fori_loop(stages, n, refill, None)
-
-    def drain(i, _):  # the last releases: every thread sees every phase of its barriers
-        plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(stages))])
-
-    lax.fori_loop(max(n - stages, 0), n, drain, None)
+    ring_producer(load, steps=n, stages=stages, free=(free,))
 
 
 def forward(q, k, v, b, s0, *, scale: float, chunk: int, block_v: int, interpret: bool,

@@ -1,0 +1,36 @@
+"""Pieces the Mosaic GPU kernels share (attention forward, GLA forward)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def ring_producer(load, *, steps, stages: int, free) -> None:
+    """A producer warpgroup's loop over a ring of `stages` shared-memory slots.
+
+    load(step, slot) issues the TMA copies of pipeline step `step` into `slot` (they arrive on
+    the slot's ready barrier). The ring is filled, then each later step waits until every barrier
+    in `free` (a tuple of per-slot barrier arrays the consumers arrive on) releases its slot.
+    The last releases are awaited too, so that every thread sees every phase of its barriers, as
+    the GPU interpreter checks. `steps` may be a Python int or a traced int32."""
+    def wait_free(slot):
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[slot])
+
+    for step in range(stages):  # fill the ring
+        pl.when(step < steps)(lambda step=step: load(jnp.int32(step), step))
+
+    def refill(step, _):
+        slot = lax.rem(step, jnp.int32(stages))
+        wait_free(slot)
+        load(step, slot)
+
+    lax.fori_loop(stages, steps, refill, None)
+
+    def drain(step, _):
+        wait_free(lax.rem(step, jnp.int32(stages)))
+
+    lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
