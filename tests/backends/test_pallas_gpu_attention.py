@@ -18,6 +18,7 @@ from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_forward as mosaic_gp
 from gla_tpu.ops.attention.pallas_gpu import plan
 from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
 from gla_tpu.ops.attention.validation import validate_attention
+from gla_tpu.ops.common import backends
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.testing.gpu_lowering import hopper_target
 from gla_tpu.testing.parity import check_attention_parity
@@ -157,7 +158,7 @@ def _problem(head_dim=128, dtype=jnp.bfloat16, segments=False):
 
 def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
     sizes = BlockSizes()
-    monkeypatch.setattr(plan, "is_hopper", lambda: True)
+    monkeypatch.setattr(backends, "is_hopper", lambda: True)
     assert plan.mosaic_forward_tiles(_problem(), sizes, False) == sizes.mosaic_forward
     assert plan.mosaic_forward_tiles(_problem(), sizes, True) is None  # interpret: Triton
     assert plan.mosaic_forward_tiles(_problem(32), sizes, False) is None
@@ -165,7 +166,7 @@ def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
     assert plan.mosaic_forward_tiles(_problem(segments=True), sizes, False) is None
     triton = BlockSizes(forward_kernel="triton")
     assert plan.mosaic_forward_tiles(_problem(), triton, False) is None
-    monkeypatch.setattr(plan, "is_hopper", lambda: False)
+    monkeypatch.setattr(backends, "is_hopper", lambda: False)
     assert plan.mosaic_forward_tiles(_problem(), sizes, False) is None
 
 
@@ -196,7 +197,7 @@ def test_gpu_parity(case, dtype):
 def test_gpu_auto_picks_mosaic_on_hopper():
     problem = _problem()
     sizes = default_block_sizes(128, jnp.bfloat16)
-    expected = sizes.mosaic_forward if plan.is_hopper() else None
+    expected = sizes.mosaic_forward if backends.is_hopper() else None
     assert plan.mosaic_forward_tiles(problem, sizes, False) == expected
 
 

@@ -43,6 +43,30 @@ def is_hopper() -> bool:
     return str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
+def gpu_sm_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the first local GPU (an H100 SXM's 132 without one)."""
+    try:
+        return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", default))
+    except RuntimeError:  # no GPU backend
+        return default
+
+
+def mosaic_gpu_selected(forward_kernel: str, reason: str | None, interpret: bool) -> bool:
+    """Whether a "pallas_gpu" op runs its Mosaic GPU kernel, by its BlockSizes.forward_kernel:
+    "triton" never; "mosaic_gpu" always, refusing with NotImplementedError what the kernel cannot
+    take (`reason`, None when it can); "auto" on a Hopper GPU where it applies, and not in
+    interpret mode (where the Triton kernels' CPU interpreter is the tested default)."""
+    if forward_kernel == "triton":
+        return False
+    if forward_kernel == "mosaic_gpu":
+        if reason is not None:
+            raise NotImplementedError(
+                f"BlockSizes(forward_kernel='mosaic_gpu') cannot take {reason}; "
+                "forward_kernel='auto' or 'triton' can.")
+        return True
+    return reason is None and not interpret and is_hopper()
+
+
 def kernel_backend_for_platform(platform: str) -> str:
     """The Pallas backend "auto" tries first on `platform` ("xla" where there is none)."""
     return _PLATFORM_KERNEL.get(platform, XLA)

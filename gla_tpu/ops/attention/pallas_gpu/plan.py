@@ -9,7 +9,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from gla_tpu.ops.common.backends import is_hopper
+from gla_tpu.ops.common.backends import mosaic_gpu_selected
 
 CONSUMERS = 2  # consumer warpgroups per block
 SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
@@ -174,21 +174,12 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
 
 
 def mosaic_forward_tiles(problem, sizes: BlockSizes, interpret: bool) -> ForwardTiles | None:
-    """The Mosaic GPU forward's tiles when it runs this problem, None when Triton does.
-
-    "auto" takes it on a Hopper GPU only (in interpret mode it stays with Triton, whose CPU
-    interpreter is the tested default); "mosaic_gpu" takes it anywhere it applies.
-    """
-    if sizes.forward_kernel == "triton":
-        return None
+    """The Mosaic GPU forward's tiles when it runs this problem, None when Triton does
+    (backends.mosaic_gpu_selected: "auto" on a Hopper GPU outside interpret mode, "mosaic_gpu"
+    anywhere it applies)."""
     reason = mosaic_forward_unsupported_reason(problem.head_dim, problem.dtype,
-                                                   problem.has_segments)
-    if sizes.forward_kernel == "mosaic_gpu":
-        if reason is not None:
-            raise NotImplementedError(
-                f"BlockSizes(forward_kernel='mosaic_gpu') cannot take {reason}; "
-                "forward_kernel='auto' or 'triton' can.")
-    elif reason is not None or interpret or not is_hopper():
+                                               problem.has_segments)
+    if not mosaic_gpu_selected(sizes.forward_kernel, reason, interpret):
         return None
     check_tiles(sizes.mosaic_forward, problem.head_dim)
     return sizes.mosaic_forward

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from gla_tpu.ops.common.backends import is_hopper
+from gla_tpu.ops.common.backends import gpu_sm_count, mosaic_gpu_selected
 
 CHUNK = 64  # the GPU kernels' chunk length (chunk_size=64; the result does not depend on it)
 # Up to this many tokens without segments, the forward runs the token-by-token kernel
@@ -137,14 +136,6 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
 MIN_SEGMENT_CHUNKS = 4  # a segment of the split Mosaic GPU forward has at least this many chunks
 
 
-def gpu_sm_count(default: int = 132) -> int:
-    """Streaming multiprocessors of the first local GPU (an H100 SXM's 132 without one)."""
-    try:
-        return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", default))
-    except RuntimeError:  # no GPU backend
-        return default
-
-
 def mosaic_time_splits(blocks: int, num_chunks: int) -> int:
     """Segments of T for the Mosaic GPU forward: doubled while twice the blocks still fit in one
     wave over the SMs and a segment keeps MIN_SEGMENT_CHUNKS chunks (docs/gpu_backend.md)."""
@@ -168,19 +159,11 @@ def mosaic_forward_reason(*, per_head: bool, has_segments: bool, dtype, key_dim:
 
 
 def mosaic_forward(block_sizes: BlockSizes, interpret: bool, **problem) -> bool:
-    """Whether an undifferentiated chunked forward runs the Mosaic GPU kernel. "auto" takes it on a
-    Hopper GPU where it applies (interpret mode stays with Triton, the tested default there);
-    "mosaic_gpu" takes it anywhere it applies and refuses what it cannot take."""
-    if block_sizes.forward_kernel == "triton":
-        return False
-    reason = mosaic_forward_reason(**problem)
-    if block_sizes.forward_kernel == "mosaic_gpu":
-        if reason is not None:
-            raise NotImplementedError(
-                f"BlockSizes(forward_kernel='mosaic_gpu') cannot take {reason}; "
-                "forward_kernel='auto' or 'triton' can.")
-        return True
-    return reason is None and not interpret and is_hopper()
+    """Whether an undifferentiated chunked forward runs the Mosaic GPU kernel
+    (backends.mosaic_gpu_selected: "auto" on a Hopper GPU outside interpret mode, "mosaic_gpu"
+    anywhere it applies)."""
+    return mosaic_gpu_selected(block_sizes.forward_kernel, mosaic_forward_reason(**problem),
+                               interpret)
 
 
 def padded_dim(d: int) -> int:
