@@ -147,10 +147,12 @@ def attention_impls(causal, d):
     from gla_tpu import ops
     from gla_tpu.ops.attention.pallas_gpu import default_block_sizes
 
-    # ours as shipped (on Hopper at D 64 / 128: the Mosaic GPU forward), and with the Triton
-    # forward forced (forward only: the backward kernels are the same), to show what each brings
-    triton_forward = dataclasses.replace(default_block_sizes(d, jnp.bfloat16),
-                                         forward_kernel="triton")
+    # ours as shipped (on Hopper: the Mosaic GPU forward at D 64 / 128 / 256, the Mosaic GPU
+    # backward at D 64 / 128), with the Triton forward forced (timed forward only) and with the
+    # Triton backward forced (timed forward+backward only), to show what each kernel brings
+    defaults = default_block_sizes(d, jnp.bfloat16)
+    triton_forward = dataclasses.replace(defaults, forward_kernel="triton")
+    triton_backward = dataclasses.replace(defaults, backward_kernel="triton")
     impls = {
         "ours_pallas_gpu": lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
                                                                backend="pallas_gpu"),
@@ -162,6 +164,8 @@ def attention_impls(causal, d):
     if d in (64, 128):  # elsewhere ours is the Triton forward already
         impls["ours_triton_forward"] = lambda q, k, v: ops.flash_attention(
             q, k, v, causal=causal, backend="pallas_gpu", block_sizes=triton_forward)
+        impls["ours_triton_backward"] = lambda q, k, v: ops.flash_attention(
+            q, k, v, causal=causal, backend="pallas_gpu", block_sizes=triton_backward)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import attention as jax_pallas
@@ -194,7 +198,8 @@ def bench_attention(ctx, shapes, modes):
                            error=f"output differs from ours: rel err {err:.2e}")
                     continue
                 for mode in modes:
-                    if mode != "fwd" and name == "ours_triton_forward":
+                    if (mode, name) in (("fwd+bwd", "ours_triton_forward"),
+                                        ("fwd", "ours_triton_backward")):
                         continue
                     f = fn if mode == "fwd" else fwd_bwd(fn, ct)
                     flops = attention_flops(b, t, t, h, d, causal=causal,

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from gla_tpu import ops
-from gla_tpu.ops.attention.pallas_gpu import BlockSizes, ForwardTiles, default_block_sizes
+from gla_tpu.ops.attention.pallas_gpu import (BackwardTiles, BlockSizes, ForwardTiles,
+                                              default_block_sizes)
 from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_forward as mosaic_gpu_forward
 from gla_tpu.ops.attention.pallas_gpu import plan
 from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
@@ -53,6 +54,87 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
     check_attention_parity(case, jax.random.key(4), dtype=dtype, backend="pallas_gpu",
                            interpret=True, block_sizes=sizes)
+
+
+# The Mosaic GPU backward in GPU interpret mode, end to end (forward, dq, dk/dv under the pass
+# rule). Causal cases only: non-causal programs with both Mosaic kernels deadlock the GPU
+# interpreter on a 2-core host (threads parked in barrier waits, cause not found; the same
+# kernels called one by one run, see the next test, and pass on the GPU).
+@pytest.mark.parametrize("case,tiles,dtype", [
+    # whole query tiles that see no key: dq tiles with no step, dk/dv see every tile
+    (AttentionCase(1, 300, 40, 2, 1, 64, causal=True), BackwardTiles(64, 64, 2), BF16),
+    # T < S with a group of 4: both rings wrap (4 key steps, 16 query steps), 128-key tiles
+    (AttentionCase(1, 130, 330, 4, 1, 64, causal=True), BackwardTiles(64, 128, 2), F16),
+    # rows 0..69 see no key (T > S): zero gradients from them
+    (AttentionCase(1, 200, 130, 4, 2, 64, causal=True), BackwardTiles(64, 64, 3), BF16),
+], ids=str)
+def test_mosaic_backward_interpret_parity(case, tiles, dtype):
+    sizes = dataclasses.replace(MOSAIC, backward_kernel="mosaic_gpu", mosaic_backward=tiles)
+    check_attention_parity(case, jax.random.key(8), dtype=dtype, backend="pallas_gpu",
+                           interpret=True, block_sizes=sizes)
+
+
+def _softmax_grads(q, k, v, do, geo):
+    """float32 dq, dk, dv (summed over each GQA group), base-2 lse and delta of non-causal
+    softmax attention with the keys at or past kv_len masked: what the backward kernels take
+    and give."""
+    qf, kf, vf, dof = (x.astype(jnp.float32) for x in (q, k, v, do))
+    kf, vf = (jnp.repeat(x, geo.group, axis=2) for x in (kf, vf))
+    s = jnp.einsum("bthd,bshd->bhts", qf, kf) * geo.sm_scale
+    s = jnp.where(jnp.arange(k.shape[1])[None, None, None, :] < geo.kv_len, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    delta = jnp.einsum("bthd,bthd->bht", jnp.einsum("bhts,bshd->bthd", p, vf), dof)
+    ds = p * (jnp.einsum("bthd,bshd->bhts", dof, vf) - delta[..., None])
+    dq = jnp.einsum("bhts,bshd->bthd", ds, kf) * geo.sm_scale
+    dk = jnp.einsum("bhts,bthd->bshd", ds, qf) * geo.sm_scale
+    dv = jnp.einsum("bhts,bthd->bshd", p, dof)
+    b, sp, h, d = dk.shape
+    dk, dv = (x.reshape(b, sp, h // geo.group, geo.group, d).sum(3) for x in (dk, dv))
+    lse2 = jax.scipy.special.logsumexp(s, axis=-1) / jnp.log(2.0)
+    return (dq, dk, dv), lse2, delta
+
+
+def test_mosaic_backward_kernels_interpret_not_causal():
+    """Non-causal dq and dk/dv kernels, each called alone in GPU interpret mode: padded keys,
+    GQA, a wrapping ring; against float32 XLA from the same lse and delta."""
+    from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_backward as mosaic_gpu_backward
+
+    t, s, d = 128, 150, 64
+    geo = Geometry(q_len=t, kv_len=s, padded_q=t, padded_kv=256, group=2, causal=False,
+                   offset=s - t, sm_scale=d**-0.5, has_segments=False)
+    keys = jax.random.split(jax.random.key(9), 4)
+    q, do = (jax.random.normal(key, (1, t, 2, d), jnp.bfloat16) for key in keys[:2])
+    k, v = (pad_time(jax.random.normal(key, (1, s, 1, d), jnp.bfloat16), 256)
+            for key in keys[2:])
+    expected, lse, delta = _softmax_grads(q, k, v, do, geo)
+    common = dict(geo=geo, tiles=BackwardTiles(64, 64, 2), interpret=True)
+    dq = jax.block_until_ready(mosaic_gpu_backward.backward_dq(q, k, v, do, lse, delta, **common))
+    dk, dv = mosaic_gpu_backward.backward_dkv(q, k, v, do, lse, delta, **common)
+    for got, want in zip((dq, dk[:, :s], dv[:, :s]), (expected[0], expected[1][:, :s],
+                                                       expected[2][:, :s])):
+        got, want = got.astype(jnp.float32), want
+        err = jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want**2))
+        assert err < 1e-2  # bfloat16 outputs and operands: about 2e-3
+
+
+@pytest.mark.parametrize("kernel", ["dq", "dkv"])
+def test_mosaic_backward_has_no_races(kernel):
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_backward as mosaic_gpu_backward
+
+    t, s, d = 256, 256, 64  # causal, 4 blocks a side: the two-slot rings wrap
+    geo = Geometry(q_len=t, kv_len=s, padded_q=t, padded_kv=s, group=1, causal=True, offset=0,
+                   sm_scale=d**-0.5, has_segments=False)
+    keys = jax.random.split(jax.random.key(10), 6)
+    q, k, v, do = (jax.random.normal(key, (1, t, 1, d), jnp.bfloat16) for key in keys[:4])
+    lse = jax.random.normal(keys[4], (1, 1, t)) + 4.0
+    delta = jax.random.normal(keys[5], (1, 1, t))
+    run = getattr(mosaic_gpu_backward, f"backward_{kernel}")
+    jax.block_until_ready(run(q, k, v, do, lse, delta, geo=geo, tiles=BackwardTiles(64, 64, 2),
+                              interpret=plgpu.InterpretGPUParams(detect_races=True)))
+    assert not gpu_interpret.get_races().races_found
 
 
 def test_mosaic_forward_has_no_races():
@@ -116,6 +198,27 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
     assert text.count("xla.gpu.triton") == 2  # dq, dkv
 
 
+@pytest.mark.parametrize("head_dim,causal,tiles", [
+    (64, True, BackwardTiles()), (128, False, BackwardTiles(64, 128, 2))])
+def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles):
+    """Forward, dq and dk/dv through Mosaic GPU's lowering for CUDA (layout inference, wgmma
+    shapes, shared-memory transforms), GQA and padded lengths."""
+    q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
+    sizes = dataclasses.replace(default_block_sizes(head_dim, jnp.bfloat16),
+                                forward_kernel="mosaic_gpu", backward_kernel="mosaic_gpu",
+                                mosaic_backward=tiles)
+
+    def loss(q, k, v):
+        o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes)
+        return jnp.sum(o.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
+    assert text.count("xla.gpu.triton") == 0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(head_dim=32), "head dim 32"),
     (dict(dtype=jnp.float32), "float32"),
@@ -131,7 +234,30 @@ def test_forced_mosaic_refuses_what_it_cannot_take(kwargs, match):
                             block_sizes=BlockSizes(forward_kernel="mosaic_gpu"))
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=256), "head dim 256"),
+    (dict(dtype=jnp.float32), "float32"),
+    (dict(segments=True), "segment_ids"),
+])
+def test_forced_mosaic_backward_refuses_what_it_cannot_take(kwargs, match):
+    head_dim = kwargs.get("head_dim", 64)
+    x = jnp.ones((1, 16, 2, head_dim), kwargs.get("dtype", jnp.bfloat16))
+    seg = jnp.zeros((1, 16), jnp.int32)
+    with pytest.raises(NotImplementedError, match=f"backward_kernel.*{match}|{match}"):
+        ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True,
+                            segment_ids=(seg, seg) if kwargs.get("segments") else None,
+                            block_sizes=BlockSizes(backward_kernel="mosaic_gpu"))
+
+
 def test_tiles_validate():
+    with pytest.raises(ValueError, match="backward_kernel"):
+        BlockSizes(backward_kernel="cudnn")
+    with pytest.raises(ValueError, match="mosaic_backward"):
+        BlockSizes(mosaic_backward=ForwardTiles())
+    with pytest.raises(ValueError, match="block_kv"):
+        BackwardTiles(block_kv=32)
+    with pytest.raises(ValueError, match="stages"):
+        BackwardTiles(stages=5)
     with pytest.raises(ValueError, match="forward_kernel"):
         BlockSizes(forward_kernel="cudnn")
     with pytest.raises(ValueError, match="mosaic_forward"):
@@ -146,6 +272,9 @@ def test_tiles_validate():
     with pytest.raises(ValueError, match="shared memory"):  # 3 stages of 128 keys at D=128
         ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True, block_sizes=BlockSizes(
             forward_kernel="mosaic_gpu", mosaic_forward=ForwardTiles(64, 128, 3)))
+    with pytest.raises(ValueError, match="mosaic_backward.*shared memory"):
+        ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True, block_sizes=BlockSizes(
+            backward_kernel="mosaic_gpu", mosaic_backward=BackwardTiles(128, 128, 4)))
 
 
 def _problem(head_dim=128, dtype=jnp.bfloat16, segments=False):
@@ -170,6 +299,21 @@ def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
     assert plan.mosaic_forward_tiles(_problem(), sizes, False) is None
 
 
+def test_auto_takes_mosaic_backward_on_hopper_only(monkeypatch):
+    sizes = BlockSizes()
+    monkeypatch.setattr(backends, "is_hopper", lambda: True)
+    assert plan.mosaic_backward_tiles(_problem(), sizes, False) == sizes.mosaic_backward
+    assert plan.mosaic_backward_tiles(_problem(64), sizes, False) == sizes.mosaic_backward
+    assert plan.mosaic_backward_tiles(_problem(), sizes, True) is None  # interpret: Triton
+    assert plan.mosaic_backward_tiles(_problem(256), sizes, False) is None
+    assert plan.mosaic_backward_tiles(_problem(dtype=jnp.float32), sizes, False) is None
+    assert plan.mosaic_backward_tiles(_problem(segments=True), sizes, False) is None
+    triton = BlockSizes(backward_kernel="triton")
+    assert plan.mosaic_backward_tiles(_problem(), triton, False) is None
+    monkeypatch.setattr(backends, "is_hopper", lambda: False)
+    assert plan.mosaic_backward_tiles(_problem(), sizes, False) is None
+
+
 GPU_CASES = [
     AttentionCase(2, 4096, 4096, 8, 8, 128, causal=True),
     AttentionCase(2, 4096, 4096, 8, 2, 128, causal=False),
@@ -187,8 +331,10 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_gpu_parity(case, dtype):
+    # the Mosaic GPU forward, and the Mosaic GPU backward where it applies (D 64 / 128)
+    backward = "mosaic_gpu" if case.head_dim in plan.MOSAIC_BACKWARD_HEAD_DIMS else "triton"
     sizes = dataclasses.replace(default_block_sizes(case.head_dim, dtype),
-                                forward_kernel="mosaic_gpu")
+                                forward_kernel="mosaic_gpu", backward_kernel=backward)
     check_attention_parity(case, jax.random.key(6), dtype=dtype, backend="pallas_gpu",
                            block_sizes=sizes)
 

@@ -51,18 +51,20 @@ def gpu_sm_count(default: int = 132) -> int:
         return default
 
 
-def mosaic_gpu_selected(forward_kernel: str, reason: str | None, interpret: bool) -> bool:
-    """Whether a "pallas_gpu" op runs its Mosaic GPU kernel, by its BlockSizes.forward_kernel:
-    "triton" never; "mosaic_gpu" always, refusing with NotImplementedError what the kernel cannot
-    take (`reason`, None when it can); "auto" on a Hopper GPU where it applies, and not in
-    interpret mode (where the Triton kernels' CPU interpreter is the tested default)."""
-    if forward_kernel == "triton":
+def mosaic_gpu_selected(kernel: str, reason: str | None, interpret: bool,
+                        field: str = "forward_kernel") -> bool:
+    """Whether a "pallas_gpu" op runs its Mosaic GPU kernel, by the BlockSizes choice `kernel`
+    (held in the field named `field`): "triton" never; "mosaic_gpu" always, refusing with
+    NotImplementedError what the kernel cannot take (`reason`, None when it can); "auto" on a
+    Hopper GPU where it applies, and not in interpret mode (where the Triton kernels' CPU
+    interpreter is the tested default)."""
+    if kernel == "triton":
         return False
-    if forward_kernel == "mosaic_gpu":
+    if kernel == "mosaic_gpu":
         if reason is not None:
             raise NotImplementedError(
-                f"BlockSizes(forward_kernel='mosaic_gpu') cannot take {reason}; "
-                "forward_kernel='auto' or 'triton' can.")
+                f"BlockSizes({field}='mosaic_gpu') cannot take {reason}; "
+                f"{field}='auto' or 'triton' can.")
         return True
     return reason is None and not interpret and is_hopper()
 

@@ -1,4 +1,4 @@
-"""Pieces the Mosaic GPU kernels share (attention forward, GLA forward)."""
+"""Pieces the Mosaic GPU kernels share (attention forward and backward, GLA forward)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,17 @@ def ring_producer(load, *, steps, stages: int, free) -> None:
         wait_free(lax.rem(step, jnp.int32(stages)))
 
     lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
+
+
+# shared-memory tiles that wgmma and TMA read: (8, 64) tiles, 128-byte swizzle (16-bit dtypes)
+SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def release_step(slot, ready, free) -> None:
+    """A consumer's turn at a ring step it does not compute: wait for the slot's loads (every
+    barrier in `ready`), then release it (every barrier in `free`), so that the producer can
+    refill it and every thread sees every barrier phase."""
+    for barrier in ready:
+        plgpu.barrier_wait(barrier.at[slot])
+    for barrier in free:
+        plgpu.barrier_arrive(barrier.at[slot])

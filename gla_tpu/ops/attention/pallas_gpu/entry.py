@@ -1,9 +1,10 @@
 """Entry of the "pallas_gpu" attention backend: what it takes, and the call.
 
 Forward and backward are three kernels: forward (o and log-sum-exp), dq, and dk/dv
-(kernels_triton.py, Triton lowering). On Hopper the forward is the Mosaic GPU kernel of
-kernels_mosaic_forward.py (wgmma, TMA, warp specialization) where it applies, since it is the
-faster one there; both forwards write the same o and lse, which the Triton backward consumes.
+(kernels_triton.py, Triton lowering). On Hopper the Mosaic GPU kernels (wgmma, TMA, warp
+specialization) of kernels_mosaic_forward.py and kernels_mosaic_backward.py take their place
+where they apply, since they are the faster ones there; both forwards write the same o and lse,
+which either backward consumes. Ring attention's block gradients (float32) stay on Triton.
 This module pads and picks the kernels and block sizes (plan.py); vjp.py wires the kernels.
 docs/gpu_backend.md explains the choices and the measured speed.
 """
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.attention.pallas_gpu import vjp
 from gla_tpu.ops.attention.pallas_gpu.plan import (BlockSizes, Geometry, default_block_sizes,
-                                                   mosaic_forward_tiles)
+                                                   mosaic_tiles)
 from gla_tpu.ops.common.capabilities import ATTENTION_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_time
 
@@ -29,7 +30,8 @@ CAPABILITIES = Capabilities(
     dtypes=("bfloat16", "float16", "float32"),
     dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
     notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 / "
-          "256 in bf16 / f16 without segment_ids, Triton elsewhere; dq and dk/dv kernels: Triton",
+          "256 in bf16 / f16 without segment_ids, Triton elsewhere; dq and dk/dv kernels: Mosaic "
+          "GPU on Hopper at head_dim 64 / 128 under the same conditions, Triton elsewhere",
     block_sizes=BlockSizes,
 )
 
@@ -39,13 +41,14 @@ def check_supported(problem, block_sizes) -> None:
 
 
 def _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
-    """Block sizes, Mosaic forward tiles (or None), geometry, and the inputs padded to it."""
+    """Block sizes, the Mosaic GPU kernels' tiles (plan.MosaicTiles), geometry, and the inputs
+    padded to it."""
     sizes = block_sizes or default_block_sizes(problem.head_dim, problem.dtype)
-    tiles = mosaic_forward_tiles(problem, sizes, bool(interpret))
+    tiles = mosaic_tiles(problem, sizes, bool(interpret))
     t, s = problem.q_len, problem.kv_len
-    mq, mk = sizes.largest_q, sizes.largest_kv
-    if tiles is not None:  # every block size is a power of two, or 2 x 64 / 2 x 128 rows
-        mq, mk = math.lcm(mq, tiles.query_multiple), math.lcm(mk, tiles.block_kv)
+    # every block size is a power of two, or 2 x 64 / 2 x 128 rows
+    mq = math.lcm(sizes.largest_q, tiles.query_multiple)
+    mk = math.lcm(sizes.largest_kv, tiles.key_multiple)
     geo = Geometry(
         q_len=t, kv_len=s, padded_q=-(-t // mq) * mq, padded_kv=-(-s // mk) * mk,
         group=problem.num_heads // problem.num_kv_heads, causal=problem.causal,
@@ -75,7 +78,7 @@ def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     `xla.attention_block`."""
     sizes, tiles, geo, padded = _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids,
                                          block_sizes, interpret)
-    o, lse2 = vjp.forward(*padded, geo, sizes, tiles, bool(interpret))
+    o, lse2 = vjp.forward(*padded, geo, sizes, tiles.forward, bool(interpret))
     lse2 = lse2[:, :, : problem.q_len]
     # Both forwards write lse = 0 (and o = 0) for a row that sees no key, which would count as a
     # key of weight 1 in the ring's merge. Without segment ids every row of a ring block sees a

@@ -31,7 +31,7 @@ from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
     visibility_mask,
 )
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
-from gla_tpu.ops.common.mosaic_gpu import ring_producer
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, release_step, ring_producer
 
 LOG2E = math.log2(math.e)
 
@@ -115,11 +115,7 @@ def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place:
         """A step the other consumer needs and this one does not: free its slots, keep turns.
 
         It still waits for the loads, so that each consumer sees every phase of every barrier."""
-        slot = slot_of(step)
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
+        release_step(slot_of(step), (k_ready, v_ready), (k_free, v_free))
         _take_turn(turn)
         _take_turn(turn)
         return carry
@@ -190,12 +186,11 @@ def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):
             refs = (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head)
             _producer(refs, geo=geo, tiles=tiles, tile_steps=tile_steps)
 
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [
-        plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=swizzled),  # q, then o
+        plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=SWIZZLED),  # q, then o
         plgpu.SMEM((CONSUMERS, bq), jnp.float32),  # lse
-        plgpu.SMEM((tiles.stages, bkv, d), k.dtype, transforms=swizzled),
-        plgpu.SMEM((tiles.stages, bkv, d), v.dtype, transforms=swizzled),
+        plgpu.SMEM((tiles.stages, bkv, d), k.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((tiles.stages, bkv, d), v.dtype, transforms=SWIZZLED),
         plgpu.Barrier(num_barriers=CONSUMERS),  # q_ready
         plgpu.Barrier(num_barriers=tiles.stages),  # k_ready
         plgpu.Barrier(num_barriers=tiles.stages),  # v_ready

@@ -68,7 +68,7 @@ def kv_blocks_for_query_tile(geo: Geometry, q_start, block_q: int, block_kv: int
     return jnp.minimum(full, hi), hi
 
 
-def _q_blocks_for_key_tile(geo: Geometry, k_start, block_kv: int, block_q: int):
+def q_blocks_for_key_tile(geo: Geometry, k_start, block_kv: int, block_q: int):
     """(lo, full): query blocks [lo, full) see the key tile partly, [full, n_q) entirely."""
     n_q = geo.padded_q // block_q
     if geo.causal:
@@ -202,7 +202,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
         dk = dk + product(dst.astype(q.dtype), q, "nn", HIGHEST)
         return dk, dv
 
-    lo, full = _q_blocks_for_key_tile(geo, k_start, block_kv, block_q)
+    lo, full = q_blocks_for_key_tile(geo, k_start, block_kv, block_q)
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for g in range(geo.group):
         carry = lax.fori_loop(lo, full, functools.partial(body, True, g), carry)

@@ -6,6 +6,8 @@ every kernel shares, and the Mosaic GPU forward's tiles with their shared-memory
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 
 import jax.numpy as jnp
 
@@ -19,6 +21,7 @@ ALLOCATION_SLACK = 2560
 # what the Mosaic GPU forward takes (other problems take the Triton forward)
 MOSAIC_FORWARD_HEAD_DIMS = (64, 128, 256)
 MOSAIC_FORWARD_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +54,42 @@ class ForwardTiles:
         return q_o + lse + kv_ring + barriers + ALLOCATION_SLACK
 
 
-def check_tiles(tiles: ForwardTiles, head_dim: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    """Tiles of the Mosaic GPU backward (performance only), for both of its kernels: the dq
+    kernel's consumers own block_q query rows each and stream key blocks of block_kv; the dk/dv
+    kernel's own block_kv keys each and stream query blocks of block_q."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    stages: int = 2  # streamed blocks in flight
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            if getattr(self, name) not in (64, 128):
+                raise ValueError(f"BackwardTiles.{name}={getattr(self, name)!r} must be 64 or "
+                                 "128 (wgmma rows per warpgroup).")
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"BackwardTiles.stages={self.stages!r} must be one of 2, 3, 4.")
+
+    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """The larger of the two kernels' shared memory (own tiles, ring, barriers)."""
+        def kernel(own_rows, streamed_rows, own_vectors, streamed_vectors):
+            own = CONSUMERS * own_rows * (2 * head_dim * itemsize + 4 * own_vectors)
+            ring = self.stages * streamed_rows * (2 * head_dim * itemsize + 4 * streamed_vectors)
+            return own + ring
+        need = max(kernel(self.block_q, self.block_kv, 2, 0),
+                   kernel(self.block_kv, self.block_q, 0, 2))
+        return need + 8 * (4 * CONSUMERS + 5 * self.stages) + ALLOCATION_SLACK
+
+
+def check_tiles(tiles: ForwardTiles | BackwardTiles, head_dim: int) -> None:
     """ValueError when the tiles do not fit in a Hopper block's shared memory at this head dim."""
     need = tiles.shared_memory_bytes(head_dim)
     if need > SHARED_MEMORY_BYTES:
+        field = "mosaic_forward" if isinstance(tiles, ForwardTiles) else "mosaic_backward"
         raise ValueError(
-            f"BlockSizes.mosaic_forward={tiles} needs {need} bytes of shared memory at head dim "
+            f"BlockSizes.{field}={tiles} needs {need} bytes of shared memory at head dim "
             f"{head_dim}; a Hopper block has {SHARED_MEMORY_BYTES}. Use fewer stages or a smaller "
             "block_kv.")
 
@@ -70,6 +103,14 @@ def mosaic_forward_unsupported_reason(head_dim: int, dtype, has_segments: bool) 
     if has_segments:
         return "segment_ids"
     return None
+
+
+def mosaic_backward_unsupported_reason(head_dim: int, dtype, has_segments: bool) -> str | None:
+    """Why the Mosaic GPU backward cannot take a problem (None when it can). At head dim 256 one
+    warpgroup's dk and dv accumulators alone would take 256 registers a thread."""
+    if head_dim not in MOSAIC_BACKWARD_HEAD_DIMS:
+        return f"head dim {head_dim} (it takes {MOSAIC_BACKWARD_HEAD_DIMS})"
+    return mosaic_forward_unsupported_reason(head_dim, dtype, has_segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +142,8 @@ class BlockSizes:
     `forward_kernel` picks the forward: "auto" takes the Mosaic GPU kernel on Hopper where it
     applies (head dim 64 / 128 / 256, bfloat16 / float16, no segment ids), Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
-    `mosaic_forward` holds its tiles.
+    `mosaic_forward` holds its tiles. `backward_kernel` and `mosaic_backward` do the same for the
+    backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128).
     """
 
     block_q: int = 128
@@ -117,14 +159,18 @@ class BlockSizes:
     num_stages_bwd: int = 2
     forward_kernel: str = "auto"
     mosaic_forward: ForwardTiles = ForwardTiles()
+    backward_kernel: str = "auto"
+    mosaic_backward: BackwardTiles = BackwardTiles()
 
     def __post_init__(self):
-        if self.forward_kernel not in FORWARD_KERNELS:
-            raise ValueError(f"BlockSizes.forward_kernel={self.forward_kernel!r} must be one of "
-                             f"{FORWARD_KERNELS}.")
-        if not isinstance(self.mosaic_forward, ForwardTiles):
-            raise ValueError(f"BlockSizes.mosaic_forward={self.mosaic_forward!r} must be a "
-                             "pallas_gpu.ForwardTiles.")
+        for name in ("forward_kernel", "backward_kernel"):
+            if getattr(self, name) not in FORWARD_KERNELS:
+                raise ValueError(f"BlockSizes.{name}={getattr(self, name)!r} must be one of "
+                                 f"{FORWARD_KERNELS}.")
+        for name, kind in (("mosaic_forward", ForwardTiles), ("mosaic_backward", BackwardTiles)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"BlockSizes.{name}={getattr(self, name)!r} must be a "
+                                 f"pallas_gpu.{kind.__name__}.")
         for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
                      "block_kv_dkv"):
             value = getattr(self, name)
@@ -185,3 +231,39 @@ def mosaic_forward_tiles(problem, sizes: BlockSizes, interpret: bool) -> Forward
     return sizes.mosaic_forward
 
 
+
+
+def mosaic_backward_tiles(problem, sizes: BlockSizes, interpret: bool) -> BackwardTiles | None:
+    """The Mosaic GPU backward's tiles when it runs this problem's gradients, None when the
+    Triton dq and dk/dv kernels do (the same rule as the forward, by `backward_kernel`)."""
+    reason = mosaic_backward_unsupported_reason(problem.head_dim, problem.dtype,
+                                                problem.has_segments)
+    if not mosaic_gpu_selected(sizes.backward_kernel, reason, interpret, "backward_kernel"):
+        return None
+    check_tiles(sizes.mosaic_backward, problem.head_dim)
+    return sizes.mosaic_backward
+
+
+class MosaicTiles(typing.NamedTuple):
+    """Which Mosaic GPU kernels a call runs (their tiles), None for the Triton ones."""
+
+    forward: ForwardTiles | None
+    backward: BackwardTiles | None
+
+    @property
+    def query_multiple(self) -> int:
+        """What the padded query length must be a multiple of for them."""
+        return math.lcm(*[CONSUMERS * t.block_q for t in self if t is not None], 1)
+
+    @property
+    def key_multiple(self) -> int:
+        """What the padded key length must be a multiple of for them."""
+        keys = [self.forward.block_kv] if self.forward is not None else []
+        if self.backward is not None:
+            keys.append(CONSUMERS * self.backward.block_kv)
+        return math.lcm(*keys, 1)
+
+
+def mosaic_tiles(problem, sizes: BlockSizes, interpret: bool) -> MosaicTiles:
+    return MosaicTiles(mosaic_forward_tiles(problem, sizes, interpret),
+                       mosaic_backward_tiles(problem, sizes, interpret))

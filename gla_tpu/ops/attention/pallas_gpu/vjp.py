@@ -1,8 +1,9 @@
 """custom_vjp wiring of the GPU flash attention kernels.
 
-The forward (Mosaic GPU on Hopper where it applies, Triton elsewhere) saves o and the base-2
-log-sum-exp; the backward computes delta = rowsum(o * do) once and runs the Triton dq and dk/dv
-kernels. Arrays are [B, T, H, D], padded to the block multiples by entry.py.
+The forward saves o and the base-2 log-sum-exp; the backward computes delta = rowsum(o * do)
+once and runs the dq and dk/dv kernels. Each side is Mosaic GPU where plan.MosaicTiles names its
+tiles, Triton where it holds None. Arrays are [B, T, H, D], padded to the block multiples by
+entry.py.
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_forward
+from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_backward, kernels_mosaic_forward
 from gla_tpu.ops.attention.pallas_gpu import kernels_triton as kernels
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def attention(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
     """o [B, Tp, H, D] from q [B, Tp, H, D], k, v [B, Sp, Hkv, D], segment ids or None."""
-    o, _ = forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
+    o, _ = forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles.forward, interpret)
     return o
 
 
 def forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
-    """(o [B, Tp, H, D] in q's dtype, base-2 lse [B, H, Tp] float32)."""
+    """(o [B, Tp, H, D] in q's dtype, base-2 lse [B, H, Tp] float32); `tiles`: the Mosaic GPU
+    forward's, or None for the Triton one."""
     if tiles is not None:
         return kernels_mosaic_forward.forward(q, k, v, geo=geo, tiles=tiles, interpret=interpret)
     return kernels.forward(q, k, v, q_seg, kv_seg, geo=geo, block_q=sizes.block_q,
@@ -32,7 +36,7 @@ def forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
-    o, lse = forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret)
+    o, lse = forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles.forward, interpret)
     return o, (q, k, v, q_seg, kv_seg, o, lse)
 
 
@@ -40,6 +44,13 @@ def _attention_bwd(geo, sizes, tiles, interpret, residuals, do):
     q, k, v, q_seg, kv_seg, o, lse = residuals
     # delta_i = sum_d o_id do_id, [B, H, Tp]: one fused elementwise pass, left to XLA
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    if tiles.backward is not None:
+        common = dict(geo=geo, tiles=tiles.backward, interpret=interpret)
+        dq = kernels_mosaic_backward.backward_dq(q, k, v, do, lse, delta, **common)
+        if interpret:  # two GPU-interpreted kernels run side by side can deadlock: order them
+            dq, q, k, v, do, lse, delta = lax.optimization_barrier((dq, q, k, v, do, lse, delta))
+        dk, dv = kernels_mosaic_backward.backward_dkv(q, k, v, do, lse, delta, **common)
+        return dq, dk, dv, None, None
     dq, dk, dv = gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, sizes, interpret)
     return dq, dk, dv, None, None
 
