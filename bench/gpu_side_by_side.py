@@ -172,9 +172,12 @@ def attention_impls(causal, d):
     impls["jax_pallas_triton"] = lambda q, k, v: jax_pallas.mha(
         q, k, v, None, sm_scale=d**-0.5, causal=causal)
     if causal and d in (64, 128):
-        from jla.ops.mosaic_gpu.attention import flash_attention as jla_fa
-
-        impls["jla_mosaic_fa3"] = lambda q, k, v: jla_fa(q, k, v)
+        try:
+            from jla.ops.mosaic_gpu.attention import flash_attention as jla_fa
+        except ImportError:  # jax-linear-attention is not installed on every GPU machine
+            jla_fa = None
+        if jla_fa is not None:
+            impls["jla_mosaic_fa3"] = lambda q, k, v: jla_fa(q, k, v)
     return impls
 
 
