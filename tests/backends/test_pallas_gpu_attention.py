@@ -219,34 +219,21 @@ def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles):
     assert text.count("xla.gpu.triton") == 0
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(head_dim=32), "head dim 32"),
-    (dict(dtype=jnp.float32), "float32"),
-    (dict(segments=True), "segment_ids"),
+@pytest.mark.parametrize("field,kwargs,match", [
+    ("forward_kernel", dict(head_dim=32), "head dim 32"),
+    ("backward_kernel", dict(head_dim=256), "head dim 256"),
+    *[(field, kwargs, match) for field in ("forward_kernel", "backward_kernel")
+      for kwargs, match in ((dict(dtype=jnp.float32), "float32"),
+                            (dict(segments=True), "segment_ids"))],
 ])
-def test_forced_mosaic_refuses_what_it_cannot_take(kwargs, match):
+def test_forced_mosaic_refuses_what_it_cannot_take(field, kwargs, match):
     head_dim = kwargs.get("head_dim", 64)
     x = jnp.ones((1, 16, 2, head_dim), kwargs.get("dtype", jnp.bfloat16))
     seg = jnp.zeros((1, 16), jnp.int32)
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(NotImplementedError, match=f"{field}.*{match}"):
         ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True,
                             segment_ids=(seg, seg) if kwargs.get("segments") else None,
-                            block_sizes=BlockSizes(forward_kernel="mosaic_gpu"))
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(head_dim=256), "head dim 256"),
-    (dict(dtype=jnp.float32), "float32"),
-    (dict(segments=True), "segment_ids"),
-])
-def test_forced_mosaic_backward_refuses_what_it_cannot_take(kwargs, match):
-    head_dim = kwargs.get("head_dim", 64)
-    x = jnp.ones((1, 16, 2, head_dim), kwargs.get("dtype", jnp.bfloat16))
-    seg = jnp.zeros((1, 16), jnp.int32)
-    with pytest.raises(NotImplementedError, match=f"backward_kernel.*{match}|{match}"):
-        ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True,
-                            segment_ids=(seg, seg) if kwargs.get("segments") else None,
-                            block_sizes=BlockSizes(backward_kernel="mosaic_gpu"))
+                            block_sizes=BlockSizes(**{field: "mosaic_gpu"}))
 
 
 def test_tiles_validate():

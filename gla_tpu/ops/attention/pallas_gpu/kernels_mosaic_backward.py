@@ -215,10 +215,10 @@ def _kernel(body, *, out_type, scratch, grid, interpret):
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret or None)
 
 
-def _own_scratch(rows: int, d: int, dtype, vectors: int):
-    """Each consumer's two [rows, D] tiles, `vectors` [rows] float32 rows, and a barrier each."""
+def _own_scratch(rows: int, d: int, dtype, n_vectors: int):
+    """Each consumer's two [rows, D] tiles, `n_vectors` [rows] float32 rows, and a barrier each."""
     tiles = [plgpu.SMEM((CONSUMERS, rows, d), dtype, transforms=SWIZZLED) for _ in range(2)]
-    vectors = [plgpu.SMEM((CONSUMERS, rows), jnp.float32) for _ in range(vectors)]
+    vectors = [plgpu.SMEM((CONSUMERS, rows), jnp.float32) for _ in range(n_vectors)]
     barriers = [plgpu.Barrier(num_barriers=CONSUMERS) for _ in range(len(tiles + vectors))]
     return tiles + vectors + barriers
 
@@ -262,7 +262,7 @@ def backward_dq(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles,
 
             ring_producer(load, steps=tile_steps, stages=stages, free=(kv_free,))
 
-    scratch = _own_scratch(bq, d, q.dtype, vectors=2) + [
+    scratch = _own_scratch(bq, d, q.dtype, n_vectors=2) + [
         *[plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED) for _ in range(2)],
         *[plgpu.Barrier(num_barriers=stages) for _ in range(2)],
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)]
@@ -317,7 +317,7 @@ def backward_dkv(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles
 
             ring_producer(load, steps=geo.group * per_head, stages=stages, free=(q_free,))
 
-    scratch = _own_scratch(bkv, d, k.dtype, vectors=0) + [
+    scratch = _own_scratch(bkv, d, k.dtype, n_vectors=0) + [
         *[plgpu.SMEM((stages, bq, d), q.dtype, transforms=SWIZZLED) for _ in range(2)],
         *[plgpu.SMEM((stages, bq), jnp.float32) for _ in range(2)],
         *[plgpu.Barrier(num_barriers=stages) for _ in range(4)],
