@@ -40,6 +40,7 @@ def test_interpret_params_instance_passes_through():
         dict(block_kv=256, block_kv_compute=384),
         dict(block_kv_compute=64),
         dict(vmem_limit_bytes=-1),
+        dict(row_sum_on_mxu=1),
     ],
 )
 def test_bad_block_sizes_raise_value_error(kwargs):
@@ -57,6 +58,15 @@ def test_default_block_sizes_clamp_to_short_sequences():
     cfg = kernel_config(AttentionProblem(q_len=5, kv_len=130, **problem_sizes),
                                    SMALL, False)
     assert (cfg.block_q, cfg.q_len_padded, cfg.block_kv, cfg.kv_len_padded) == (128, 128, 128, 256)
+
+
+def test_row_sums_on_the_mxu_refuse_float32():
+    problem = AttentionProblem(batch=1, q_len=128, kv_len=128, num_heads=1, num_kv_heads=1,
+                               head_dim=128, causal=False, sm_scale=1.0, has_segments=False,
+                               dtype=jnp.dtype(jnp.float32))
+    with pytest.raises(ValueError, match="row_sum_on_mxu=True needs bfloat16 inputs; got float32"):
+        kernel_config(problem, BlockSizes(row_sum_on_mxu=True), False)
+    assert not kernel_config(problem, None, False).row_sum_on_mxu
 
 
 @pytest.mark.parametrize("d", (64, 128, 256))

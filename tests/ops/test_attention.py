@@ -36,7 +36,8 @@ CAPABILITIES = {cap.backend: cap for cap in backends.capabilities("attention")}
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 # Tiles per backend: "small" gives several blocks at T of a few hundred, "mixed" uneven tiles
-# across the three kernels (and, on TPU, a forward inner loop over kv).
+# across the three kernels (and, on TPU, a forward inner loop over kv and the row sums on the
+# MXU, which a v6e takes by default: "mixed" serves bfloat16 cases only).
 TILES = {
     "small": {
         "mosaic_tpu": mosaic_tpu.BlockSizes(block_q=128, block_kv=128, block_q_dq=128,
@@ -46,7 +47,7 @@ TILES = {
     "mixed": {
         "mosaic_tpu": mosaic_tpu.BlockSizes(block_q=128, block_kv=256, block_kv_compute=128,
                                             block_q_dq=256, block_kv_dq=128, block_q_dkv=128,
-                                            block_kv_dkv=256),
+                                            block_kv_dkv=256, row_sum_on_mxu=True),
         "pallas_gpu": pallas_gpu.BlockSizes(64, 32, 32, 64, 64, 32),
     },
     None: {},

@@ -9,6 +9,9 @@ used along them. Padded keys are masked by position; padded query rows are slice
 
 Notation (as in the docs): s = sm_scale * q k^T, m the running row max, l the running row sum of
 exp(s - m), lse = m + log(l), p = exp(s - lse), di = rowsum(o * do), ds = p * (do v^T - di).
+The kernels exponentiate in base 2: they scale q k^T by sm_scale * log2(e) and take exp2, which
+is exp without its own multiply by log2(e) (one VPU pass over the score tile fewer); m lives in
+these base-2 units, lse in natural ones.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig, cost_estimate
 from gla_tpu.ops.common.masks import attention_visibility
 from gla_tpu.ops.common.products import product
 from gla_tpu.ops.common.tpu import LANES
+
+LOG2_E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2_E)
+LN_2 = 0.6931471805599453  # ln(2)
 
 
 def _block_has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
@@ -72,10 +78,13 @@ def _block_needs_mask(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
 
 
 def _lanes_to(x, width: int):
-    """A [rows, 128] array with equal lanes, as [rows, width]: tiled (free) or sliced."""
-    if width >= LANES:
-        return jnp.tile(x, (1, width // LANES))
-    return x[:, :width]
+    """A [rows, 128] array with equal lanes, as [rows, width]: tiled (free) and/or sliced."""
+    reps, rest = divmod(width, LANES)
+    if not rest:
+        return jnp.tile(x, (1, reps))
+    if not reps:
+        return x[:, :width]
+    return jnp.concatenate([jnp.tile(x, (1, reps)), x[:, :rest]], axis=1)
 
 
 def _last_kv_block(cfg: KernelConfig, q_block, bq: int, bkv: int):
@@ -124,18 +133,24 @@ def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
-    if cfg.has_segments:
-        q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
-    else:
-        o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
-    bq, bkv, bkc = cfg.block_q, cfg.block_kv, cfg.block_kv_compute
+    refs = list(refs)
+    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+    o_ref, lse_ref, m_sc, acc_sc = refs[:4]
+    # Row sums on the VPU: l in its own scratch. On the MXU: l is the first 128 columns of acc
+    # ([bq, 128 + D]), the product of p with the ones of vx = [ones | v] ([bkc, 128 + D]); the
+    # ones go first so that every slice starts on a lane tile.
+    l_sc, vx_sc = (None, refs[4]) if cfg.row_sum_on_mxu else (refs[4], None)
+    bq, bkv, bkc, d = cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.head_dim
     i, j = pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        if cfg.row_sum_on_mxu:
+            vx_sc[:, :LANES] = jnp.ones((bkc, LANES), vx_sc.dtype)
+        else:
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
 
     def compute(masked: bool):
         q = q_ref[...]  # [bq, D]
@@ -145,7 +160,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
             k = k_ref[cols, :]  # [bkc, D]
             v = v_ref[cols, :]  # [bkc, D]
             s = product(q, k, "nt")
-            s = s * cfg.sm_scale  # [bq, bkc]
+            s = s * (cfg.sm_scale * LOG2_E)  # [bq, bkc], base-2 units
             if masked:
                 q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
                 k_pos = j * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -156,26 +171,32 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
             shift = m_next
             if masked:
                 # A row with no visible key so far keeps m = -inf; shift it by 0 so that
-                # exp(-inf - shift) = 0 and no inf - inf appears. (In an unmasked block every
+                # exp2(-inf - shift) = 0 and no inf - inf appears. (In an unmasked block every
                 # row sees a key, so m is finite.)
                 shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # [bq, 128]
-            alpha = jnp.exp(m_prev - shift)  # [bq, 128]
-            p = jnp.exp(s - _lanes_to(shift, bkc))  # [bq, bkc]
-            l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-            pv = product(p.astype(v.dtype), v)  # [bq, D]
-            acc_sc[...] = _lanes_to(alpha, cfg.head_dim) * acc_sc[...] + pv
+            alpha = jnp.exp2(m_prev - shift)  # [bq, 128]
+            p = jnp.exp2(s - _lanes_to(shift, bkc))  # [bq, bkc]
+            if cfg.row_sum_on_mxu:
+                vx_sc[:, LANES:] = v
+                # [bq, 128 + D]: l's increment (the sum of p as the product rounds it), p v
+                pv = product(p.astype(v.dtype), vx_sc[...])
+            else:
+                l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+                pv = product(p.astype(v.dtype), v)  # [bq, D]
+            acc_sc[...] = _lanes_to(alpha, acc_sc.shape[1]) * acc_sc[...] + pv
             m_sc[...] = m_next
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finalize():
-        l = l_sc[...]  # [bq, 128]
+        l = acc_sc[:, :LANES] if cfg.row_sum_on_mxu else l_sc[...]  # [bq, 128], lanes equal
+        acc = acc_sc[:, LANES:] if cfg.row_sum_on_mxu else acc_sc[...]  # [bq, D]
         seen = l > 0.0
         inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        o_ref[...] = (acc_sc[...] * _lanes_to(inv_l, cfg.head_dim)).astype(o_ref.dtype)
+        o_ref[...] = (acc * _lanes_to(inv_l, d)).astype(o_ref.dtype)
         # A row that sees no key gets lse = +inf, so exp(s - lse) = 0 in the backward.
-        lse = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        lse = jnp.where(seen, m_sc[...] * LN_2 + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
         # [bq, 128] with equal lanes -> the [1, bq] row the backward reads (one transpose per q
         # block; an lse stored replicated over 128 lanes would cost 128x its bytes in HBM).
         lse_ref[...] = jnp.transpose(lse)[:1, :]
@@ -249,11 +270,17 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None,
         o_spec,
         pl.BlockSpec((None, None, 1, bq), lambda bi, hi, i, j: (bi, hi, 0, i)),
     ]
-    scratch = [
-        pltpu.VMEM((bq, LANES), jnp.float32),  # m
-        pltpu.VMEM((bq, LANES), jnp.float32),  # l
-        pltpu.VMEM((bq, d), jnp.float32),  # acc
-    ]
+    scratch = [pltpu.VMEM((bq, LANES), jnp.float32)]  # m
+    if cfg.row_sum_on_mxu:
+        scratch += [
+            pltpu.VMEM((bq, LANES + d), jnp.float32),  # [l | acc]
+            pltpu.VMEM((cfg.block_kv_compute, LANES + d), v.dtype),  # vx = [ones | v]
+        ]
+    else:
+        scratch += [
+            pltpu.VMEM((bq, d), jnp.float32),  # acc
+            pltpu.VMEM((bq, LANES), jnp.float32),  # l
+        ]
     name = _call_name("fwd", cfg, bq, bkv)
     with jax.named_scope(name):
         o, lse = pl.pallas_call(
@@ -292,8 +319,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
     def compute(masked: bool):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         s = product(q, k, "nt")
-        s = s * cfg.sm_scale  # [bq, bkv]
-        p = jnp.exp(s - _column(lse_ref))  # [bq, bkv]
+        s = s * (cfg.sm_scale * LOG2_E)  # [bq, bkv], base-2 units
+        p = jnp.exp2(s - _column(lse_ref) * LOG2_E)  # [bq, bkv]
         if masked:
             q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
             k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -380,8 +407,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
     def compute(masked: bool):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         s_t = product(k, q, "nt")
-        s_t = s_t * cfg.sm_scale  # [bkv, bq]
-        p_t = jnp.exp(s_t - lse_ref[...])  # [bkv, bq]; lse row [1, bq]
+        s_t = s_t * (cfg.sm_scale * LOG2_E)  # [bkv, bq], base-2 units
+        p_t = jnp.exp2(s_t - lse_ref[...] * LOG2_E)  # [bkv, bq]; lse row [1, bq]
         if masked:
             k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
             q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s_t.shape, 1)

@@ -35,6 +35,11 @@ class BlockSizes:
       block_q_dq, block_kv_dq: tiles of the dq kernel.
       block_q_dkv, block_kv_dkv: tiles of the dk/dv kernel.
       vmem_limit_bytes: scoped VMEM limit passed to Mosaic; None keeps the compiler's default.
+      row_sum_on_mxu: whether the forward takes the softmax row sums on the MXU, as the extra
+        128 output columns of p @ [ones | v], instead of reducing p on the VPU; bfloat16
+        inputs only. None: where those columns fit in the MXU's width beside v's, i.e. at
+        D <= 128 on 256-wide MXUs (v6e, 7x), where p @ v alone leaves half the array idle
+        (docs/attention_mosaic_tpu.md, "Row sums on the MXU").
 
     Example:
       >>> BlockSizes(block_q=256, block_kv=512, block_kv_compute=256)  # doctest: +ELLIPSIS
@@ -49,6 +54,7 @@ class BlockSizes:
     block_q_dkv: int = 512
     block_kv_dkv: int = 512
     vmem_limit_bytes: int | None = None
+    row_sum_on_mxu: bool | None = None
 
     def __post_init__(self):
         for name in _BLOCK_FIELDS + ("block_kv_compute",):
@@ -72,6 +78,11 @@ class BlockSizes:
                                   or limit <= 0):
             raise ValueError(
                 f"BlockSizes.vmem_limit_bytes must be None or a positive int; got {limit!r}."
+            )
+        if self.row_sum_on_mxu is not None and not isinstance(self.row_sum_on_mxu, bool):
+            raise ValueError(
+                f"BlockSizes.row_sum_on_mxu must be None, True or False; got "
+                f"{self.row_sum_on_mxu!r}."
             )
 
     @classmethod
@@ -114,6 +125,7 @@ class KernelConfig:
     block_q_dkv: int
     block_kv_dkv: int
     vmem_limit_bytes: int | None
+    row_sum_on_mxu: bool  # forward: l from p @ [v | ones] (BlockSizes.row_sum_on_mxu)
     interpret: Any  # False or a pltpu.InterpretParams
 
     @property
@@ -142,11 +154,26 @@ def _target_mxu_width() -> int | None:
     return None if info is None else info.mxu_column_size
 
 
+def _row_sum_on_mxu(requested: bool | None, dtype, head_dim: int, mxu_width: int | None) -> bool:
+    """Resolves BlockSizes.row_sum_on_mxu for inputs of `dtype` on an MXU `mxu_width` wide."""
+    sixteen_bit = jnp.dtype(dtype).itemsize == 2
+    if requested is None:
+        return sixteen_bit and mxu_width is not None and mxu_width >= LANES + head_dim
+    if requested and not sixteen_bit:
+        # p @ [v | ones] in float32 would sum p at the MXU's float32 precision, not the VPU's.
+        raise ValueError(
+            f"BlockSizes.row_sum_on_mxu=True needs bfloat16 inputs; got "
+            f"{jnp.dtype(dtype).name}. Leave it None (or False) for float32."
+        )
+    return requested
+
+
 def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelConfig:
     """Resolves block sizes against the problem (clamping to short sequences) and pads lengths."""
     bs = block_sizes
+    mxu_width = None if interpret else _target_mxu_width()
     if bs is None:
-        bs = BlockSizes.default(problem.head_dim, None if interpret else _target_mxu_width())
+        bs = BlockSizes.default(problem.head_dim, mxu_width)
     q_cap, kv_cap = _block_cap(problem.q_len), _block_cap(problem.kv_len)
     bq, bq_dq, bq_dkv = (min(b, q_cap) for b in (bs.block_q, bs.block_q_dq, bs.block_q_dkv))
     bkv, bkv_dq, bkv_dkv = (min(b, kv_cap) for b in (bs.block_kv, bs.block_kv_dq,
@@ -165,12 +192,15 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelC
         has_segments=problem.has_segments,
         block_q=bq, block_kv=bkv, block_kv_compute=bkc, block_q_dq=bq_dq, block_kv_dq=bkv_dq,
         block_q_dkv=bq_dkv, block_kv_dkv=bkv_dkv, vmem_limit_bytes=bs.vmem_limit_bytes,
+        row_sum_on_mxu=_row_sum_on_mxu(bs.row_sum_on_mxu, problem.dtype, problem.head_dim,
+                                       mxu_width),
         interpret=tpu_interpret_params(interpret),
     )
 
 
 def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
-                        *, block_kv_compute: int | None = None, segments: bool = False) -> int:
+                        *, block_kv_compute: int | None = None, segments: bool = False,
+                        row_sum_on_mxu: bool = False) -> int:
     """VMEM footprint of one kernel from its block sizes (docs/attention_mosaic_tpu.md).
 
     Counts double-buffered input/output blocks, scratch, and the float32 [block_q, block_kv]
@@ -184,6 +214,8 @@ def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, i
         bkc = block_kv_compute or bkv
         io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + rows(bq))
         scratch = 2 * bq * LANES * 4 + bq * d * 4
+        if row_sum_on_mxu:  # l moves into 128 more columns of acc; [v | ones] is a new copy
+            scratch += bkc * (d + LANES) * itemsize
         temps = bq * bkc * (2 * 4 + itemsize)
     elif kind == "dq":
         io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq) + 2 * bq * d * itemsize
