@@ -38,6 +38,10 @@ ATTENTION_SHAPES = [  # (B, H, T, D, causal)
     (4, 16, 4096, 64, True), (2, 16, 4096, 256, False), (2, 16, 4096, 256, True),
     (1, 5, 16384, 128, False), (1, 5, 16384, 128, True), (16, 16, 1024, 128, False),
     (16, 16, 1024, 128, True),
+    # Issue 16's additions: T between the two forwards' crossover, D = 64 at long T, a length
+    # that is no multiple of the blocks, and short T.
+    (4, 16, 2048, 128, False), (4, 16, 2048, 128, True), (2, 16, 8192, 64, False),
+    (2, 16, 8192, 64, True), (4, 16, 4000, 128, True), (32, 16, 512, 128, False),
 ]
 GLA_SHAPES = [(4, 4096, 16, 128, 128), (8, 2048, 4, 256, 512), (8, 2048, 16, 64, 64),
               (2, 16384, 8, 128, 128)]

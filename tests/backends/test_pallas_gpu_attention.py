@@ -264,9 +264,9 @@ def test_tiles_validate():
             backward_kernel="mosaic_gpu", mosaic_backward=BackwardTiles(128, 128, 4)))
 
 
-def _problem(head_dim=128, dtype=jnp.bfloat16, segments=False):
-    x = jnp.ones((1, 256, 2, head_dim), dtype)
-    seg = jnp.zeros((1, 256), jnp.int32)
+def _problem(head_dim=128, dtype=jnp.bfloat16, segments=False, length=2048):
+    x = jnp.ones((1, length, 2, head_dim), dtype)
+    seg = jnp.zeros((1, length), jnp.int32)
     problem, _, _ = validate_attention(x, x, x, causal=True, sm_scale=None,
                                        segment_ids=(seg, seg) if segments else None)
     return problem
@@ -282,6 +282,11 @@ def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
     assert plan.mosaic_forward_tiles(_problem(segments=True), sizes, False) is None
     triton = BlockSizes(forward_kernel="triton")
     assert plan.mosaic_forward_tiles(_problem(), triton, False) is None
+    # short sequences at head dim 128: "auto" takes Triton, "mosaic_gpu" still insists
+    assert plan.mosaic_forward_tiles(_problem(length=1024), sizes, False) is None
+    assert plan.mosaic_forward_tiles(_problem(64, length=1024), sizes, False) is not None
+    forced = BlockSizes(forward_kernel="mosaic_gpu")
+    assert plan.mosaic_forward_tiles(_problem(length=1024), forced, False) is not None
     monkeypatch.setattr(backends, "is_hopper", lambda: False)
     assert plan.mosaic_forward_tiles(_problem(), sizes, False) is None
 

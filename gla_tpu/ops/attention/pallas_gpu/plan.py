@@ -140,7 +140,8 @@ class BlockSizes:
     """Tiles of the three kernels (performance only). Every block is a power of two >= 16.
 
     `forward_kernel` picks the forward: "auto" takes the Mosaic GPU kernel on Hopper where it
-    applies (head dim 64 / 128 / 256, bfloat16 / float16, no segment ids), Triton elsewhere;
+    applies (head dim 64 / 128 / 256, bfloat16 / float16, no segment ids) and is the faster one
+    (not at head dim 128 with T and S <= 1024), Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
     `mosaic_forward` holds its tiles. `backward_kernel` and `mosaic_backward` do the same for the
     backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128).
@@ -219,10 +220,25 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     return sizes
 
 
+# "auto" leaves short sequences at head dim 128 to the Triton forward, faster there on an H100
+# (2026-11-23, docs/gpu_backend.md): T = S = 512 full 0.228 against 0.246 ms; T = S = 1024 full
+# 0.370 against 0.432, causal 0.262 against 0.269; from T = S = 2048 on the Mosaic one wins
+# (0.275 against 0.336 full). Not measured at other head dims, which keep the Mosaic forward.
+AUTO_TRITON_FORWARD_MAX_LEN = 1024
+AUTO_TRITON_FORWARD_HEAD_DIM = 128
+
+
+def _auto_prefers_triton_forward(problem) -> bool:
+    return (problem.head_dim == AUTO_TRITON_FORWARD_HEAD_DIM
+            and max(problem.q_len, problem.kv_len) <= AUTO_TRITON_FORWARD_MAX_LEN)
+
+
 def mosaic_forward_tiles(problem, sizes: BlockSizes, interpret: bool) -> ForwardTiles | None:
     """The Mosaic GPU forward's tiles when it runs this problem, None when Triton does
-    (backends.mosaic_gpu_selected: "auto" on a Hopper GPU outside interpret mode, "mosaic_gpu"
-    anywhere it applies)."""
+    (backends.mosaic_gpu_selected: "auto" on a Hopper GPU outside interpret mode, except at head
+    dim 128 with T and S <= 1024; "mosaic_gpu" anywhere it applies)."""
+    if sizes.forward_kernel == "auto" and _auto_prefers_triton_forward(problem):
+        return None
     reason = mosaic_forward_unsupported_reason(problem.head_dim, problem.dtype,
                                                problem.has_segments)
     if not mosaic_gpu_selected(sizes.forward_kernel, reason, interpret):
