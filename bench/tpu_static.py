@@ -186,11 +186,13 @@ def _attention_backward_program(spec: Spec):
 
     from gla_tpu.ops.attention.mosaic_tpu import plan, vjp
     from gla_tpu.ops.attention.validation import validate_attention
+    from gla_tpu.testing.tpu_compile import targeting
 
     b, h, t, d, causal = spec.shape
     x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
-    cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options)), False)
+    with targeting(spec.generation):  # the generation's default tiles, as inside its program
+        cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options)), False)
     tp = cfg.q_len_padded
     head_major = jax.ShapeDtypeStruct((b, h, tp, d), jnp.bfloat16)
     api_layout = jax.ShapeDtypeStruct((b, tp, h, d), jnp.bfloat16)

@@ -79,10 +79,14 @@ def compile_for_tpu(fn, *abstract_args, generation: str = "v5e", static_kwargs=N
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract_args
     )
     kwargs = static_kwargs or {}
-    # The abstract mesh tells lowering rules that query the chip (pltpu.get_tpu_info) which
-    # generation they target; without it they would see the CPU host.
-    with jax.sharding.use_abstract_mesh(_single_device_mesh(generation).abstract_mesh):
+    with targeting(generation):
         return jax.jit(lambda *args: fn(*args, **kwargs)).lower(*placed).compile()
+
+
+def targeting(generation: str):
+    """A context in which code that queries the chip (`pltpu.get_tpu_info`, e.g. the kernels'
+    default tiles) sees one core of `generation`, not the CPU host: an abstract mesh of it."""
+    return jax.sharding.use_abstract_mesh(_single_device_mesh(generation).abstract_mesh)
 
 
 @functools.cache

@@ -89,16 +89,17 @@ class BlockSizes:
     def default(cls, head_dim: int, mxu_width: int | None = None) -> "BlockSizes":
         """Defaults that compile for v4, v5e, v5p, v6e and 7x in bfloat16 within the default
         scoped VMEM limit (docs/attention_mosaic_tpu.md has the footprints). On chips with
-        256-wide MXUs (v6e, 7x) the forward takes 1024 x 1024 tiles: libtpu's static estimate
-        puts them 13-30% below 512 x 512 there (docs/benchmarks.md)."""
+        256-wide MXUs (v6e, 7x) all three kernels take 1024 x 1024 tiles: libtpu's static
+        estimate puts the forward's 13-30% below 512 x 512 there, and the backward's cut
+        forward+backward by 9% (D 128) to 31% (D 256) (docs/benchmarks.md)."""
         if head_dim <= 128:
             sizes = cls()
         else:
             sizes = cls(block_q=512, block_kv=512, block_kv_compute=256, block_q_dq=256,
                         block_kv_dq=512, block_q_dkv=512, block_kv_dkv=256)
         if mxu_width is not None and mxu_width >= 256:
-            sizes = dataclasses.replace(sizes, block_q=1024, block_kv=1024,
-                                        block_kv_compute=None)
+            sizes = dataclasses.replace(sizes, block_kv_compute=None, **{
+                name: 1024 for name in _BLOCK_FIELDS})
         return sizes
 
 
