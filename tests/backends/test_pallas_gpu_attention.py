@@ -332,6 +332,22 @@ def test_gpu_parity(case, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [AttentionCase(2, 1000, 1000, 4, 2, 128, causal=True),
+                                  AttentionCase(1, 700, 1000, 4, 4, 128, causal=False),
+                                  AttentionCase(1, 1000, 600, 2, 1, 128, causal=True)], ids=str)
+def test_gpu_parity_auto_at_short_lengths(case):
+    """What "auto" runs at head dim 128 with T, S <= 1024: the Triton forward, and on Hopper the
+    Mosaic GPU backward reading its lse (T > S: rows that see no key)."""
+    sizes = default_block_sizes(case.head_dim, jnp.bfloat16)
+    problem, _, _ = validate_attention(*(jnp.ones((1, n, 1, 128), jnp.bfloat16)
+                                         for n in (case.q_len, case.kv_len, case.kv_len)),
+                                       causal=case.causal, sm_scale=None, segment_ids=None)
+    assert plan.mosaic_forward_tiles(problem, sizes, False) is None
+    check_attention_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",
+                           block_sizes=sizes)
+
+
+@pytest.mark.gpu
 def test_gpu_auto_picks_mosaic_on_hopper():
     problem = _problem()
     sizes = default_block_sizes(128, jnp.bfloat16)
