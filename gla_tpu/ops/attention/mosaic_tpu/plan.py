@@ -39,7 +39,7 @@ class BlockSizes:
         128 output columns of p @ [ones | v], instead of reducing p on the VPU; bfloat16
         inputs only. None: where those columns fit in the MXU's width beside v's, i.e. at
         D <= 128 on 256-wide MXUs (v6e, 7x), where p @ v alone leaves half the array idle
-        (docs/attention_mosaic_tpu.md, "Row sums on the MXU").
+        (docs/attention_mosaic_tpu.md, "Base-2 exponentials and row sums on the MXU").
 
     Example:
       >>> BlockSizes(block_q=256, block_kv=512, block_kv_compute=256)  # doctest: +ELLIPSIS
@@ -126,7 +126,7 @@ class KernelConfig:
     block_q_dkv: int
     block_kv_dkv: int
     vmem_limit_bytes: int | None
-    row_sum_on_mxu: bool  # forward: l from p @ [v | ones] (BlockSizes.row_sum_on_mxu)
+    row_sum_on_mxu: bool  # forward: l from p @ [ones | v] (BlockSizes.row_sum_on_mxu)
     interpret: Any  # False or a pltpu.InterpretParams
 
     @property
@@ -161,7 +161,7 @@ def _row_sum_on_mxu(requested: bool | None, dtype, head_dim: int, mxu_width: int
     if requested is None:
         return sixteen_bit and mxu_width is not None and mxu_width >= LANES + head_dim
     if requested and not sixteen_bit:
-        # p @ [v | ones] in float32 would sum p at the MXU's float32 precision, not the VPU's.
+        # p @ [ones | v] in float32 would sum p at the MXU's float32 precision, not the VPU's.
         raise ValueError(
             f"BlockSizes.row_sum_on_mxu=True needs bfloat16 inputs; got "
             f"{jnp.dtype(dtype).name}. Leave it None (or False) for float32."
@@ -215,7 +215,7 @@ def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, i
         bkc = block_kv_compute or bkv
         io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + rows(bq))
         scratch = 2 * bq * LANES * 4 + bq * d * 4
-        if row_sum_on_mxu:  # l moves into 128 more columns of acc; [v | ones] is a new copy
+        if row_sum_on_mxu:  # l moves into 128 more columns of acc; [ones | v] is a new copy
             scratch += bkc * (d + LANES) * itemsize
         temps = bq * bkc * (2 * 4 + itemsize)
     elif kind == "dq":
