@@ -25,12 +25,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig, cost_estimate
+from gla_tpu.ops.common.base2 import LN_2, LOG2_E
 from gla_tpu.ops.common.masks import attention_visibility
 from gla_tpu.ops.common.products import product
 from gla_tpu.ops.common.tpu import LANES
-
-LOG2_E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2_E)
-LN_2 = 0.6931471805599453  # ln(2)
 
 
 def _block_has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):

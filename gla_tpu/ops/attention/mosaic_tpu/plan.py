@@ -200,8 +200,7 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelC
 
 
 def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
-                        *, block_kv_compute: int | None = None, segments: bool = False,
-                        row_sum_on_mxu: bool = False) -> int:
+                        *, block_kv_compute: int | None = None, segments: bool = False) -> int:
     """VMEM footprint of one kernel from its block sizes (docs/attention_mosaic_tpu.md).
 
     Counts double-buffered input/output blocks, scratch, and the float32 [block_q, block_kv]
@@ -215,8 +214,6 @@ def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, i
         bkc = block_kv_compute or bkv
         io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + rows(bq))
         scratch = 2 * bq * LANES * 4 + bq * d * 4
-        if row_sum_on_mxu:  # l moves into 128 more columns of acc; [ones | v] is a new copy
-            scratch += bkc * (d + LANES) * itemsize
         temps = bq * bkc * (2 * 4 + itemsize)
     elif kind == "dq":
         io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq) + 2 * bq * d * itemsize

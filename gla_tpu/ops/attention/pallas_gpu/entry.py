@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from gla_tpu.ops.attention.pallas_gpu import vjp
 from gla_tpu.ops.attention.pallas_gpu.plan import (BlockSizes, Geometry, default_block_sizes,
                                                    mosaic_tiles)
+from gla_tpu.ops.common.base2 import LN_2
 from gla_tpu.ops.common.capabilities import ATTENTION_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_time
 
-LN2 = math.log(2.0)
 
 CAPABILITIES = Capabilities(
     op="flash_attention", backend="pallas_gpu",
@@ -83,7 +83,7 @@ def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     # Both forwards write lse = 0 (and o = 0) for a row that sees no key, which would count as a
     # key of weight 1 in the ring's merge. Without segment ids every row of a ring block sees a
     # key; with them, only a non-causal block can hide all keys from a row.
-    lse = lse2 * LN2
+    lse = lse2 * LN_2
     if problem.has_segments and not problem.causal:
         seen = _id_among(q_segment_ids, kv_segment_ids)[:, None, :]  # [B, 1, T]
         lse = jnp.where(seen, lse, -jnp.inf)
@@ -107,7 +107,7 @@ def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv
         q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret)
     tp = geo.padded_q
     # base-2 lse; +inf (p = 0) for a row that sees no key anywhere; padded rows have do = 0
-    lse2 = pad_time(jnp.where(jnp.isfinite(lse), lse / LN2, jnp.inf), tp, axis=2)
+    lse2 = pad_time(jnp.where(jnp.isfinite(lse), lse / LN_2, jnp.inf), tp, axis=2)
     dq, dk, dv = vjp.gradients(qp, kp, vp, q_seg, kv_seg, pad_time(do, tp), lse2,
                                pad_time(delta, tp, axis=2), geo, sizes, bool(interpret),
                                out_dtype=jnp.float32)

@@ -19,7 +19,6 @@ sliced away by the caller. Head dims 64 and 128, bfloat16 / float16, no segment 
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +32,9 @@ from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
     visibility_mask,
 )
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, BackwardTiles, Geometry
+from gla_tpu.ops.common.base2 import LOG2_E
 from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, release_step, ring_producer
 
-LOG2E = math.log2(math.e)
 
 
 def _products(pairs, out_shape):
@@ -93,7 +92,7 @@ def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_pl
      k_smem, v_smem, k_ready, v_ready, kv_free, batch, head, tile_base, wg) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
     dtype = q_ref.dtype
-    scale2 = geo.sm_scale * LOG2E
+    scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
     q_base = tile_base + wg * bq
     full, hi = kv_blocks_for_query_tile(geo, q_base, bq, bkv)
@@ -146,7 +145,7 @@ def _dkv_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, first_block, per
      delta_smem, ready, q_free, batch, kv_head, tile_base, wg) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, k_ref.shape[-1]
     dtype = k_ref.dtype
-    scale2 = geo.sm_scale * LOG2E
+    scale2 = geo.sm_scale * LOG2_E
     k_base = tile_base + wg * bkv
     lo, full = q_blocks_for_key_tile(geo, k_base, bkv, bq)
     n_q = geo.padded_q // bq

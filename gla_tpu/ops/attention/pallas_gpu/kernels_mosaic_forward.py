@@ -18,7 +18,6 @@ the measurements.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +30,9 @@ from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
     visibility_mask,
 )
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
+from gla_tpu.ops.common.base2 import LOG2_E
 from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, release_step, ring_producer
 
-LOG2E = math.log2(math.e)
 
 
 def _take_turn(turn):
@@ -51,7 +50,7 @@ def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place:
      k_free, v_free, turn, batch, head, tile_base, wg) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
     dtype = q_ref.dtype
-    scale2 = geo.sm_scale * LOG2E  # logits in base 2: p = exp2(s * scale2 - m)
+    scale2 = geo.sm_scale * LOG2_E  # logits in base 2: p = exp2(s * scale2 - m)
     check_len = geo.kv_len != geo.padded_kv
     q_base = tile_base + wg * bq
     full, hi = kv_blocks_for_query_tile(geo, q_base, bq, bkv)

@@ -16,7 +16,6 @@ the true S and keys at or past it are masked where they could reach an output.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +24,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
+from gla_tpu.ops.common.base2 import LOG2_E
 from gla_tpu.ops.common.products import HIGHEST, product
 from gla_tpu.ops.common.masks import attention_visibility
 
-LOG2E = math.log2(math.e)
 
 
 def _cdiv_nonneg(x, d: int):
@@ -89,7 +88,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
     q = q_ref[...]  # [block_q, D]
     q_pos = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]  # [block_q, 1]
     q_seg = qseg_ref[...][:, None] if geo.has_segments else None
-    scale2 = geo.sm_scale * LOG2E
+    scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
 
     def body(masked, kb, carry):
@@ -152,7 +151,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
     delta = delta_ref[...][:, None]
     q_pos = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = qseg_ref[...][:, None] if geo.has_segments else None
-    scale2 = geo.sm_scale * LOG2E
+    scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
 
     def body(masked, kb, dq):
@@ -181,7 +180,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
     v = v_ref[...]
     k_pos = (k_start + jnp.arange(block_kv, dtype=jnp.int32))[:, None]  # [block_kv, 1]
     k_seg = kseg_ref[...][:, None] if geo.has_segments else None
-    scale2 = geo.sm_scale * LOG2E
+    scale2 = geo.sm_scale * LOG2_E
     n_q = geo.padded_q // block_q
 
     def body(masked, g, qb, carry):
