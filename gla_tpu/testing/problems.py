@@ -36,7 +36,8 @@ class GLACase:
     key_dim: int  # K
     value_dim: int  # V
     gate: str = "key"  # "key", "head" or "none"
-    gate_strength: float = 1.0  # g = logsigmoid(x) / gate_strength
+    gate_strength: float = 1.0  # g = logsigmoid(x + gate_shift) / gate_strength, x ~ N(0, 1)
+    gate_shift: float = 0.0
     initial_state: bool = False
     segments: bool = False
     output_final_state: bool = True
@@ -75,8 +76,8 @@ def make_gla_inputs(case: GLACase, key, dtype=jnp.float32, gate_dtype=jnp.float3
     g = None
     if case.gate != "none":
         gshape = shape_k if case.gate == "key" else (b, t, h)
-        g = (jax.nn.log_sigmoid(jax.random.normal(kg, gshape, jnp.float32))
-             / case.gate_strength).astype(gate_dtype)
+        x = jax.random.normal(kg, gshape, jnp.float32) + case.gate_shift
+        g = (jax.nn.log_sigmoid(x) / case.gate_strength).astype(gate_dtype)
     s0 = None
     if case.initial_state:
         s0 = jax.random.normal(ks0, (b, h, case.key_dim, case.value_dim), jnp.float32)

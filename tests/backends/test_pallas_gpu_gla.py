@@ -21,7 +21,7 @@ from gla_tpu.ops.gla.pallas_gpu import kernels_intra as kernels
 from gla_tpu.ops.gla.pallas_gpu import plan
 from gla_tpu.ops.gla.pallas_gpu.kernels_recurrent import block_v, recurrent_forward
 from gla_tpu.ops.gla.reference import gla_recurrent_reference
-from gla_tpu.testing.gpu_lowering import hopper_target
+from gla_tpu.testing.gpu_lowering import gla_lowered_kernels, hopper_target
 from gla_tpu.testing.problems import GLACase, make_gla_inputs
 from gla_tpu.testing.tolerance import relative_rms_error
 
@@ -110,21 +110,7 @@ def test_mosaic_forward_lowers_to_mosaic_and_training_to_triton(splits, kernels)
     q = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((2, 1000, 2), jnp.float32)
     s0 = jax.ShapeDtypeStruct((2, 2, 128, 128), jnp.float32)
-
-    def forward(q, k, v, g, s0):
-        return ops.gla(q, k, v, g, initial_state=s0, output_final_state=True,
-                       backend="pallas_gpu", block_sizes=sizes)
-
-    def loss(*args):
-        o, final = forward(*args)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
-
-    with hopper_target():
-        text = jax.jit(forward).trace(q, q, q, g, s0).lower(lowering_platforms=("cuda",)).as_text()
-        grad_text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
-            q, q, q, g, s0).lower(lowering_platforms=("cuda",)).as_text()
-    assert (text.count("custom_call @mosaic_gpu"), text.count("xla.gpu.triton")) == (kernels, 0)
-    assert (grad_text.count("custom_call @mosaic_gpu"), grad_text.count("xla.gpu.triton")) == (0, 7)
+    assert gla_lowered_kernels(sizes, q, q, g, s0) == ((kernels, 0), (0, 7))
 
 
 @pytest.mark.parametrize("gate,key_dim,dtype,segments,match", [

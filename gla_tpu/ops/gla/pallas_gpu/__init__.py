@@ -1,6 +1,7 @@
 """The "pallas_gpu" GLA backend (Pallas on NVIDIA GPUs): the chunked algorithm for every mode
 (Triton), a token-by-token forward for decoding (Triton), and on Hopper a Mosaic GPU forward for
-per-head gates when the call is not differentiated.
+per-head gates when the call is not differentiated, and (asked for by BlockSizes.chunk_kernel)
+Mosaic GPU kernels for per-key gates, forward and backward, at one speed for every gate.
 
     entry.py              what the backend takes, and the call (padding, gates, segment masks)
     vjp.py                jax.custom_vjp wiring of the kernels
@@ -10,6 +11,9 @@ per-head gates when the call is not differentiated.
     kernels_recurrent.py  the few-token (decode) forward
     kernels_mosaic_forward.py  the per-head-gate forward in one Mosaic GPU kernel (Hopper)
     forward_mosaic.py     that forward, split in time where its blocks cannot fill the GPU
+    kernels_mosaic_levels.py   per-key gates by pair levels: shared pieces, and A, qd, kd
+    kernels_mosaic_state.py    the chunk-serial state pass of those kernels, forward and reversed
+    kernels_mosaic_grads.py    their dq, dk, dg per chunk and key slab
     plan.py               ChunkGeometry, tiles, padded head dims
 """
 

@@ -27,6 +27,7 @@ from gla_tpu.ops.gla.pallas_gpu.plan import (
     MAX_RECURRENT_T,
     BlockSizes,
     chunk_geometry,
+    mosaic_chunk,
     mosaic_forward,
     padded_dim,
 )
@@ -40,7 +41,10 @@ CAPABILITIES = Capabilities(
     notes="every mode runs the chunked Triton kernels (fused_recurrent with float32-accurate "
           "state products in its backward); T <= 16 without segments: a token-by-token "
           "forward; forward and backward incl. dg; on Hopper, an undifferentiated call with "
-          "per-head or no gates (16-bit, K <= 128, no segments) runs one Mosaic GPU forward",
+          "per-head or no gates (16-bit, K <= 128, no segments) runs one Mosaic GPU forward; "
+          "BlockSizes(chunk_kernel='mosaic_gpu'): per-key gates on Hopper by pair-level Mosaic "
+          "GPU kernels, forward and backward, one speed for every gate (16-bit, K, V <= 128, "
+          "no segments)",
     block_sizes=BlockSizes,
 )
 
@@ -88,13 +92,19 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
     use_mosaic = not few_tokens and mosaic_forward(
         block_sizes, bool(interpret), per_head=per_head, has_segments=segment_ids is not None,
         dtype=q.dtype, key_dim=kp)
+    use_mosaic_chunk = mosaic_chunk(
+        block_sizes, bool(interpret), per_head=per_head, has_segments=segment_ids is not None,
+        dtype=q.dtype, key_dim=kp, value_dim=vp)
     geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
                          has_segments=segment_ids is not None,
                          exact_inter=problem.mode == "fused_recurrent", per_head=per_head,
-                         mosaic_forward=use_mosaic, batch=b, heads=h,
-                         block_sizes=block_sizes)
+                         mosaic_forward=use_mosaic, mosaic_chunk=use_mosaic_chunk, batch=b,
+                         heads=h, block_sizes=block_sizes)
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
-        if few_tokens:
+        if use_mosaic_chunk:
+            qp, kp_, gp, vpad = (pad_time(x, CHUNK) for x in (qp, kp_, gp, vpad))
+            o, final = vjp.mosaic_chunked(qp, kp_, vpad, gp, s0, geo, bool(interpret))
+        elif few_tokens:
             o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
         else:
             o, final = vjp.chunked(qp, kp_, vpad, gp, s0, seg, reach, last, keep, start, geo,

@@ -19,6 +19,7 @@ BLOCK_K = 64  # K tile
 MAX_DIM = 512
 VALUE_BLOCKS = (64, 128)
 FORWARD_KERNELS = ("auto", "triton", "mosaic_gpu")
+CHUNK_KERNELS = ("auto", "triton", "mosaic_gpu")
 MOSAIC_BLOCK_V = 64  # V tile of the Mosaic GPU forward (one block per V tile, head and batch)
 MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in registers)
 
@@ -38,6 +39,12 @@ class BlockSizes:
         (mosaic_forward_reason), else Triton. Training always runs the chunked kernels.
       mosaic_time_splits: segments of T the Mosaic GPU forward runs side by side (a power of
         two; None: `mosaic_time_splits`, from the GPU's SM count).
+      chunk_kernel: the kernels of a per-key-gate call, forward and backward: "mosaic_gpu" (the
+        pair-level kernels on a Hopper GPU: kernels_mosaic_levels.py, kernels_mosaic_state.py,
+        kernels_mosaic_grads.py; one speed for every gate, where mosaic_chunk_reason allows),
+        "triton" (the chunked kernels), or "auto", which is Triton for now: the pair-level
+        kernels are faster than Triton's at strong gates and slower at weak ones
+        (docs/gpu_backend.md, "Pair-level kernels").
     """
 
     block_v: int | None = None
@@ -46,6 +53,7 @@ class BlockSizes:
     num_stages: int = 2
     forward_kernel: str = "auto"
     mosaic_time_splits: int | None = None
+    chunk_kernel: str = "auto"
 
     def __post_init__(self):
         splits = self.mosaic_time_splits
@@ -56,6 +64,9 @@ class BlockSizes:
         if self.forward_kernel not in FORWARD_KERNELS:
             raise ValueError(f"BlockSizes.forward_kernel={self.forward_kernel!r} must be one of "
                              f"{FORWARD_KERNELS}.")
+        if self.chunk_kernel not in CHUNK_KERNELS:
+            raise ValueError(f"BlockSizes.chunk_kernel={self.chunk_kernel!r} must be one of "
+                             f"{CHUNK_KERNELS}.")
         if self.block_v is not None and self.block_v not in VALUE_BLOCKS:
             raise ValueError(
                 f"BlockSizes.block_v={self.block_v!r} must be None or one of {VALUE_BLOCKS}.")
@@ -95,6 +106,8 @@ class ChunkGeometry:
     # this many segments of T side by side (forward_mosaic.py)
     mosaic_forward: bool = False
     mosaic_splits: int = 1
+    # per-key gates run the pair-level Mosaic GPU kernels, forward and backward (mosaic_chunk)
+    mosaic_chunk: bool = False
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -110,8 +123,8 @@ def value_block(value_dim: int) -> int:
 
 def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: float,
                    has_segments: bool, exact_inter: bool, per_head: bool = False,
-                   mosaic_forward: bool = False, batch: int = 1, heads: int = 1,
-                   block_sizes: BlockSizes = BlockSizes()) -> ChunkGeometry:
+                   mosaic_forward: bool = False, mosaic_chunk: bool = False, batch: int = 1,
+                   heads: int = 1, block_sizes: BlockSizes = BlockSizes()) -> ChunkGeometry:
     """The kernels' tiles for padded T, K and V (powers of two >= 64). `exact_inter` (mode
     "fused_recurrent") keeps dq's and dk's products with the float32 states float32-accurate, as
     that mode's XLA baseline is a float32 recurrence; modes "chunk" and "fused_chunk" round the
@@ -129,7 +142,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         has_segments=has_segments, num_warps=block_sizes.num_warps,
         num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
         exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
-        mosaic_splits=splits,
+        mosaic_splits=splits, mosaic_chunk=mosaic_chunk,
     )
 
 
@@ -164,6 +177,33 @@ def mosaic_forward(block_sizes: BlockSizes, interpret: bool, **problem) -> bool:
     anywhere it applies)."""
     return mosaic_gpu_selected(block_sizes.forward_kernel, mosaic_forward_reason(**problem),
                                interpret)
+
+
+MOSAIC_CHUNK_DIMS = (64, 128)  # padded K and V the pair-level kernels take (shared memory)
+
+
+def mosaic_chunk_reason(*, per_head: bool, has_segments: bool, dtype, key_dim: int,
+                        value_dim: int):
+    """Why the pair-level Mosaic GPU kernels cannot take a problem (None: they can); key_dim and
+    value_dim are the padded K and V."""
+    if per_head:
+        return "per-head or no gates (their own kernels)"
+    if has_segments:
+        return "segment_ids"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
+    if key_dim not in MOSAIC_CHUNK_DIMS or value_dim not in MOSAIC_CHUNK_DIMS:
+        return f"padded K = {key_dim}, V = {value_dim} (it takes {MOSAIC_CHUNK_DIMS})"
+    return None
+
+
+def mosaic_chunk(block_sizes: BlockSizes, interpret: bool, **problem) -> bool:
+    """Whether a chunked call (forward and backward) runs the pair-level Mosaic GPU kernels: only
+    when asked for ("auto" is Triton until they are faster at every gate)."""
+    if block_sizes.chunk_kernel == "auto":
+        return False
+    return mosaic_gpu_selected(block_sizes.chunk_kernel, mosaic_chunk_reason(**problem),
+                               interpret, field="chunk_kernel")
 
 
 def padded_dim(d: int) -> int:

@@ -21,10 +21,14 @@ from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.ops.gla.pallas_gpu import (
     forward_mosaic,
     kernels_intra,
+    kernels_mosaic_grads,
+    kernels_mosaic_levels,
+    kernels_mosaic_state,
     kernels_output,
     kernels_recurrent,
     kernels_state,
 )
+from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_state import Pass
 
 
 def _by_grid(kernel, bounded, *operands, **static):
@@ -88,6 +92,53 @@ def _chunked_bwd(geo, interpret, residuals, cotangents):
 
 
 chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# The pair-level Mosaic GPU kernels (per-key gates, plan.mosaic_chunk). Forward: prep (A, qd, kd,
+# the chunk decays), then the state pass with outputs; training also stores each chunk's entering
+# state (two 16-bit parts). Backward: the reversed state pass (dh per chunk, dv, the state term of
+# dg, d initial_state), then dq, dk, dg per chunk and key slab.
+_INFERENCE = Pass(reverse=False, outputs=True, store_parts=0, state_term=False)
+_TRAINING = Pass(reverse=False, outputs=True, store_parts=2, state_term=False)
+_REVERSED = Pass(reverse=True, outputs=True, store_parts=1, state_term=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def mosaic_chunked(q, k, v, g, s0, geo, interpret):
+    """(o [B, Tp, H, V], final state [B, H, K, V] float32) by the pair-level kernels, from inputs
+    padded as for `chunked` (per-key gates g [B, Tp, H, K] float32, no segments)."""
+    return _mosaic_forward(q, k, v, g, s0, geo, interpret, _INFERENCE)[0]
+
+
+def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
+    # b [B, Tp, H, K] float32; the decay of each chunk, b at its last token, [B, H, N, K]
+    c = kernels_mosaic_levels.CHUNK
+    b = chunk_local_cumsum(g, c, method="triangular")
+    last = jnp.swapaxes(b[:, c - 1::c], 1, 2)
+    a, qd, kd = kernels_mosaic_levels.prep(q, k, b, scale=geo.scale, interpret=interpret)
+    o, *parts, final = kernels_mosaic_state.state_pass(kd, v, last, s0, w=qd, a=a, p=p,
+                                                       interpret=interpret)
+    return (o, final), (b, a, qd, kd, last, *parts)
+
+
+def _mosaic_fwd(q, k, v, g, s0, geo, interpret):
+    out, saved = _mosaic_forward(q, k, v, g, s0, geo, interpret, _TRAINING)
+    return out, (q, k, v, s0, *saved)
+
+
+def _mosaic_bwd(geo, interpret, residuals, cotangents):
+    q, k, v, s0, b, a, qd, kd, last, h_hi, h_lo = residuals
+    do, dfinal = cotangents
+    do = do.astype(v.dtype)
+    dv, dh, term, ds0 = kernels_mosaic_state.state_pass(
+        qd, do, last, dfinal.astype(jnp.float32), w=kd, a=a, h_parts=(h_hi, h_lo), p=_REVERSED,
+        interpret=interpret)
+    dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, b, h_hi, dh, jnp.sum(term, axis=3),
+                                                  scale=geo.scale, interpret=interpret)
+    return dq, dk, dv, dg, None if s0 is None else ds0
+
+
+mosaic_chunked.defvjp(_mosaic_fwd, _mosaic_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

@@ -1,0 +1,105 @@
+"""The pair-level Mosaic GPU kernels of the "pallas_gpu" GLA (per-key gates, forward and backward;
+BlockSizes(chunk_kernel="mosaic_gpu")): the decomposition itself, parity in GPU interpret mode on
+CPU, lowering for a Hopper target, what they refuse; parity on a CUDA GPU under marker gpu at
+every gate distribution of docs/gpu_backend.md."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gla_tpu import ops
+from gla_tpu.ops.common import pair_levels
+from gla_tpu.ops.gla.pallas_gpu import BlockSizes
+from gla_tpu.testing.gpu_lowering import gla_lowered_kernels
+from gla_tpu.testing.parity import check_gla_parity
+from gla_tpu.testing.problems import GLACase
+
+PAIR_LEVELS = BlockSizes(chunk_kernel="mosaic_gpu")
+
+
+def test_every_causal_pair_has_one_level():
+    levels = pair_levels.level_of_pairs(64)
+    r, x = np.indices(levels.shape)
+    assert (levels[x < r] >= 0).all() and (levels[x >= r] == -1).all()
+    assert sorted(np.unique(levels[x < r]).tolist()) == list(range(6))
+
+
+@pytest.mark.parametrize("strength", [1.0, 1e-3])
+def test_scores_by_levels_match_the_direct_decay(strength):
+    key = jax.random.key(0)
+    kq, kk, kg = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (2, 64, 32), jnp.float32)
+    k = jax.random.normal(kk, (2, 64, 32), jnp.float32)
+    b = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(kg, (2, 64, 32))) / strength, axis=1)
+    got = pair_levels.scores_by_levels(q, k, b, jnp.float32)
+    decay = jnp.exp(jnp.minimum(b[:, :, None, :] - b[:, None, :, :], 0.0))  # [2, r, x, K]
+    direct = jnp.einsum("brc,bxc,brxc->brx", q, k, decay) * jnp.tril(jnp.ones((1, 64, 64)))
+    assert bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(got, direct, rtol=1e-4, atol=1e-4)
+
+
+# Interpret mode runs the three kernels (prep, the state pass both ways, dq/dk/dg) with jnp.dot
+# for the tensor-core products: a partial last chunk, an initial state, two value tiles and very
+# strong gates (about -800 a token) in bfloat16; K 128 with fla's draw in float16.
+@pytest.mark.parametrize("case,dtype", [
+    (GLACase(1, 130, 2, 64, 128, gate="key", gate_strength=1e-3, initial_state=True),
+     jnp.bfloat16),
+    (GLACase(1, 100, 1, 128, 64, gate="key", initial_state=True), jnp.float16),
+], ids=str)
+def test_interpret_parity(case, dtype):
+    check_gla_parity(case, jax.random.key(5), dtype=dtype, backend="pallas_gpu", interpret=True,
+                     block_sizes=PAIR_LEVELS)
+
+
+# forward: prep and the state pass; backward: the reversed state pass and dq/dk/dg (the forward
+# of a differentiated call keeps the states)
+def test_lowers_to_four_mosaic_kernels_and_no_triton():
+    q = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 1000, 2, 64), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.float32)
+    s0 = jax.ShapeDtypeStruct((2, 2, 128, 64), jnp.float32)
+    assert gla_lowered_kernels(PAIR_LEVELS, q, v, g, s0) == ((2, 0), (4, 0))
+
+
+@pytest.mark.parametrize("gate,key_dim,value_dim,dtype,segments,match", [
+    ("head", 64, 64, jnp.bfloat16, False, "per-head"),
+    ("key", 256, 64, jnp.bfloat16, False, "padded K = 256"),
+    ("key", 64, 512, jnp.bfloat16, False, "V = 512"),
+    ("key", 64, 64, jnp.float32, False, "float32"),
+    ("key", 64, 64, jnp.bfloat16, True, "segment_ids")])
+def test_refuses_what_it_cannot_take(gate, key_dim, value_dim, dtype, segments, match):
+    x = jnp.ones((1, 64, 1, key_dim), dtype)
+    v = jnp.ones((1, 64, 1, value_dim), dtype)
+    g = jnp.full((1, 64, 1, key_dim) if gate == "key" else (1, 64, 1), -0.1)
+    seg = jnp.zeros((1, 64), jnp.int32) if segments else None
+    with pytest.raises(NotImplementedError, match=match):
+        ops.gla(x, x, v, g, segment_ids=seg, backend="pallas_gpu", interpret=True,
+                block_sizes=PAIR_LEVELS)
+    with pytest.raises(ValueError, match="chunk_kernel"):
+        BlockSizes(chunk_kernel="cuda")
+
+
+# The gate distributions of docs/gpu_backend.md: logsigmoid(N(0,1)) (fla's benchmark draw), the
+# same / 16 (fla's GLA layer default), logsigmoid(N(0,1) - 3), and about -800 a token; T up to 4096
+# and not a multiple of the chunk, K and V 64 and 128, float16, initial states, T = 1.
+GPU_CASES = [
+    (GLACase(1, 4096, 2, 128, 128, gate="key"), jnp.bfloat16),
+    (GLACase(1, 4096, 2, 128, 128, gate="key", gate_strength=16.0, initial_state=True),
+     jnp.bfloat16),
+    (GLACase(1, 4096, 2, 64, 64, gate="key", gate_shift=-3.0), jnp.bfloat16),
+    (GLACase(1, 4096, 2, 128, 64, gate="key", gate_strength=1e-3, initial_state=True),
+     jnp.bfloat16),
+    (GLACase(2, 1000, 3, 64, 128, gate="key", initial_state=True), jnp.float16),
+    (GLACase(2, 777, 2, 100, 100, gate="key", gate_strength=16.0), jnp.bfloat16),
+    (GLACase(3, 1, 2, 128, 128, gate="key", initial_state=True), jnp.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", GPU_CASES, ids=str)
+def test_gpu_parity(case, dtype):
+    check_gla_parity(case, jax.random.key(7), dtype=dtype, backend="pallas_gpu",
+                     block_sizes=PAIR_LEVELS)
