@@ -232,11 +232,11 @@ def gla_inputs(rng, b, t, h, kd, vd, with_state=False, gate="fla", per_head=Fals
     return q, k, v, g.astype(np.float32), s0
 
 
-def ours_gla(mode, with_state=False, forward_kernel="auto"):
+def ours_gla(mode, with_state=False, forward_kernel="auto", chunk_kernel="auto"):
     from gla_tpu import ops
     from gla_tpu.ops.gla.pallas_gpu import BlockSizes
 
-    sizes = BlockSizes(forward_kernel=forward_kernel)
+    sizes = BlockSizes(forward_kernel=forward_kernel, chunk_kernel=chunk_kernel)
 
     def fn(q, k, v, g, *s0):
         o, _ = ops.gla(q, k, v, g, initial_state=s0[0] if s0 else None, mode=mode,
@@ -293,6 +293,8 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
         if per_head:  # "auto" takes the Mosaic GPU forward on Hopper; Triton's for comparison
             jax_impl("ours_chunk_triton_fwd", ours_gla("chunk", forward_kernel="triton"),
                      modes=[m for m in modes if m == "fwd"])
+        elif kd <= 128 and vd <= 128:  # the pair-level Mosaic GPU kernels (opt-in, Hopper)
+            jax_impl("ours_chunk_pair_levels", ours_gla("chunk", chunk_kernel="mosaic_gpu"))
     if op == "gla":  # jla's GLA takes per-key gates only
         jax_impl("jla_mosaic_gpu", jla_gla)
 
