@@ -163,7 +163,23 @@ def test_gate_minus_1000_per_step(backend, mode, gate, pattern):
     the exactly cancelling q*dq - k*dk), and under the full rule with -1e3 on every other step.
     """
     case = GLACase(1, 70, 1, 64, 64, gate=gate, initial_state=True)
-    key = jax.random.key(case_seed(case, pattern))
+    _check_gate_minus_1000(backend, mode, case, pattern, jax.random.key(case_seed(case, pattern)))
+
+
+# Another draw of the case above (the seed its repr gave while GLACase printed gate_shift=0.0,
+# 2026-11-25): mosaic_tpu's fused_chunk with per-head gates misses the float32 pass rule there,
+# output 3.6e-4 against a bound of 2.35e-4 (XLA 1.2e-4), dv, dk and dg too. With -1e3 on every
+# other step the chunk-local sums reach about -3.5e4, where a float32 ulp is 0.004, so every
+# chunked form loses about 1e-4; why the kernel loses 3x XLA's on this draw is not yet known.
+# Recorded so that it stays visible; strict, so a fix shows up.
+@pytest.mark.xfail(strict=True, reason="float32 pass rule at -1e3 gates on one draw, see above")
+def test_gate_minus_1000_every_other_step_one_draw_mosaic_tpu():
+    case = GLACase(1, 70, 1, 64, 64, gate="head", initial_state=True)
+    _check_gate_minus_1000("mosaic_tpu", "fused_chunk", case, "every_other_step",
+                           jax.random.key(2685353799))
+
+
+def _check_gate_minus_1000(backend, mode, case, pattern, key):
     inputs = make_gla_inputs(case, key)
     strong = jnp.full(inputs["g"].shape, -1e3, jnp.float32)
     if pattern == "every_other_step":

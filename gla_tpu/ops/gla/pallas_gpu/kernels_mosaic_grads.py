@@ -1,7 +1,8 @@
 """Per-key GLA on Mosaic GPU: dq, dk and dg of a chunk, by pair levels (any gate, one speed).
 
 One block per (chunk, key slab of 64 columns, head, batch): the columns of dq, dk and dg depend on
-their own columns of q, k, g, h_n and dh_{n+1} only (and on dA, recomputed per slab). Two
+their own columns of q, k, b (the chunk-local gate sums), h_n and dh_{n+1} only (and on dA,
+recomputed per slab). Two
 warpgroups, each its side of every level (docs/gla_math.md, "Pair levels", has the derivation):
 
     dA  = scale (do v^T), lower triangle with the diagonal                        [C, C]
@@ -17,8 +18,8 @@ summed within the chunk,
 
 where each level's pair terms enter Dq and Dk through the *same* rounded operands, so a pair
 whose two tokens both lie at or after t cancels to float32 accuracy (a token's pair with itself is
-left out: it cancels exactly). The two triangular sums run on the tensor cores with float32
-operands in three bfloat16 parts. The state term sum_V h_n dh_{n+1} comes from the reversed state
+left out: it cancels exactly). The two triangular sums run on the tensor cores, the 0/1
+triangles in shared memory and the float32 operands in three bfloat16 parts. The state term sum_V h_n dh_{n+1} comes from the reversed state
 pass (kernels_mosaic_state.py), which also computes dv.
 """
 
