@@ -1,26 +1,32 @@
 """Per-key GLA on Mosaic GPU: dq, dk and dg of a chunk, by pair levels (any gate, one speed).
 
-One block per (chunk, key slab of 64 columns, head, batch): the columns of dq, dk and dg depend on
-their own columns of q, k, b (the chunk-local gate sums), h_n and dh_{n+1} only (and on dA,
-recomputed per slab). Two
-warpgroups, each its side of every level (docs/gla_math.md, "Pair levels", has the derivation):
+One block of one warpgroup per (chunk, key slab of 64 columns, head, batch): the columns of dq, dk
+and dg depend on their own columns of q, k, g, h_n and dh_{n+1} only (and on dA, recomputed per
+slab). docs/gla_math.md ("Pair levels") has the derivation:
 
     dA  = scale (do v^T), lower triangle with the diagonal                        [C, C]
-    wg 0:  dq = sum_L F_L (dA_L (k F_L)_lower) + diag(dA) k + scale e^b (do h_n^T)
-    wg 1:  dk = sum_L F_L (dA_L^T (q F_L)_upper) + diag(dA) q + e^(B - b) (v dh_{n+1}^T)
+    dq  = sum_L F_L (dA_L (k F_L)_lower) + diag(dA) k + scale e^b (do h_n^T)
+    dk  = sum_L F_L (dA_L^T (q F_L)_upper) + diag(dA) q + e^(b_last - b) (v dh_{n+1}^T)
 
-with dA_L = dA on the level's pairs. The gate gradient comes from db_t = q_t dq_t - k_t dk_t
+with dA_L = dA on the level's pairs; one loop over the levels computes both sides from one factor
+F_L (a range sum of the gates, kernels_mosaic_levels.py) and one masked dA_L in shared memory,
+read as is for dq and transposed for dk. The gate gradient comes from db_t = q_t dq_t - k_t dk_t
 summed within the chunk,
 
-    dg_t = sum_{s >= t} (Dq_s - Dk_s) + sum_{s < t} Y_s + e^B sum_V h_n dh_{n+1},
+    dg_t = sum_{s >= t} (Dq_s - Dk_s) + sum_{s < t} Y_s + e^(b_last) sum_V h_n dh_{n+1},
     Dq   = sum_L (q F_L) * (dA_L (k F_L)) + q * dq_inter,   Dk = sum_L (k F_L) * (dA_L^T (q F_L)),
     Y    = k * dk_inter,
 
 where each level's pair terms enter Dq and Dk through the *same* rounded operands, so a pair
 whose two tokens both lie at or after t cancels to float32 accuracy (a token's pair with itself is
-left out: it cancels exactly). The two triangular sums run on the tensor cores, the 0/1
-triangles in shared memory and the float32 operands in three bfloat16 parts. The state term sum_V h_n dh_{n+1} comes from the reversed state
+left out: it cancels exactly). The two triangular sums run on the tensor cores, the float32
+operands in three bfloat16 parts. The state term sum_V h_n dh_{n+1} comes from the reversed state
 pass (kernels_mosaic_state.py), which also computes dv.
+
+Shared memory: q, k, the gate parts and dA stay for the whole block; a pool of eight [64, 64]
+16-bit tiles holds v, do, h_n, dh_{n+1} (value tiles of 64) for the first products, then dA_L
+and the level operands, and (bfloat16 inputs) the range matrix and the parts of the dg sums in its
+second half. 104 KiB with bfloat16 inputs: two blocks per SM (float16: four more bfloat16 tiles).
 """
 
 from __future__ import annotations
@@ -39,23 +45,28 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     COL,
     COMPILER_PARAMS,
     F32,
-    PAD,
+    GATE_PARTS,
     SLAB,
     T,
     cols,
     full,
     iota,
-    last_sums,
-    level_factor,
-    load_slab,
-    load_sums,
+    level_pairs,
+    level_range,
     matmul,
     operands_released,
+    prefix_range,
+    range_matrix,
+    range_sums,
+    row_index,
     rows,
-    shift_buffer,
+    store_gate_parts,
+    suffix_range,
+    upper_rows,
 )
 
-VALUE_TILE = 128  # value columns of v, do, h_n and dh_{n+1} in shared memory at once
+VALUE_TILES = 2  # V up to 128, in tiles of 64 columns
+POOL = 8  # [64, 64] tiles shared by the three phases
 
 
 def bf16_parts(x):
@@ -66,36 +77,10 @@ def bf16_parts(x):
     return hi, mid, (rest - mid.astype(F32)).astype(BF16)
 
 
-def lower_triangle(chunk: int, *, strict: bool = False, upper: bool = False):
-    """[C, C] bfloat16 0/1 (exact): rows r, columns s; s <= r (s < r if strict; s >= r if
-    upper, s > r if both)."""
-    r, s = iota((chunk, chunk), 0), iota((chunk, chunk), 1)
-    if upper:
-        keep = s > r if strict else s >= r
-    else:
-        keep = s < r if strict else s <= r
-    return jnp.where(keep, full((chunk, chunk), 1.0), full((chunk, chunk), 0.0)).astype(BF16)
-
-
-def summed_rows(tri, x, parts_smem, *, interpret: bool, init=None):
-    """tri @ x [C, W] float32 to float32 accuracy: x (float32 registers) in three bfloat16 parts
-    through parts_smem [3, C, W] (bfloat16, swizzled), tri a 0/1 bfloat16 [C, C] (exact) in
-    shared memory, committed."""
-    operands_released(interpret=interpret)
-    for i, part in enumerate(bf16_parts(x)):
-        parts_smem.at[i][...] = part
-    plgpu.commit_smem()
-    return matmul([(tri, parts_smem.at[i]) for i in range(3)], x.shape, interpret=interpret,
-                  init=init)
-
-
-def _level_mask(chunk: int, level: int, *, transposed: bool):
-    """[C, C] the pairs of level L: rows r, columns x (transposed: rows x, columns r)."""
-    a, b = iota((chunk, chunk), 0), iota((chunk, chunk), 1)
-    r, x = (b, a) if transposed else (a, b)
-    return jnp.logical_and(pair_levels.same_block(r, x, level),
-                           jnp.logical_and(pair_levels.is_upper(r, level),
-                                           jnp.logical_not(pair_levels.is_upper(x, level))))
+def store_parts(x, tiles):
+    """x [C, W] float32 into three bfloat16 tiles (its parts)."""
+    for tile, part in zip(tiles, bf16_parts(x)):
+        tile[...] = part
 
 
 def _diagonal(x):
@@ -104,152 +89,137 @@ def _diagonal(x):
     return jnp.sum(jnp.where(r == c, x, 0.0), axis=1)
 
 
-def chunk_grads(q, k, v, do, b, h_hi, dh, term, *, scale: float, interpret):
-    """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), b [B, Tp, H, K] float32 chunk-local
-    gate sums,
-    h_hi and dh [B, H, N, K, V] 16-bit (the state entering each chunk and the gradient of the
-    state after it), term [B, H, N, K] float32 (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in
-    q's dtype and dg [B, Tp, H, K] float32."""
+def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret):
+    """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), g [B, Tp, H, K] float32 log gates, last
+    [B, H, N, K] float32 (b at each chunk's last token), h_hi and dh [B, H, N, K, V] 16-bit (the
+    state entering each chunk and the gradient of the state after it), term [B, H, N, K] float32
+    (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in q's dtype and dg [B, Tp, H, K] float32."""
     bsz, tp, h, kd = q.shape
     vd = v.shape[-1]
     c, dtype = CHUNK, q.dtype
-    n, slabs = tp // c, kd // SLAB
-    if tp % c or kd % SLAB or vd > VALUE_TILE or vd % 64:
+    n, slabs, vtiles = tp // c, kd // SLAB, vd // SLAB
+    if tp % c or kd % SLAB or vd % SLAB or vtiles > VALUE_TILES:
         raise ValueError(f"padded T={tp}, K={kd}, V={vd}: T and K multiples of {c} and {SLAB}, "
-                         f"V a multiple of 64 up to {VALUE_TILE}")
+                         f"V a multiple of {SLAB} up to {VALUE_TILES * SLAB}")
     levels = pair_levels.num_levels(c)
+    shape = (c, SLAB)
 
-    def body(q_ref, k_ref, v_ref, do_ref, b_ref, h_ref, dh_ref, term_ref, dq_ref, dk_ref, dg_ref,
-             q_s, k_s, v_s, do_s, h_s, dh_s, term_s, b_pad, exchange, ops_q, ops_k, parts_q,
-             parts_k, at_or_after, before, loaded,
-             sums_ready, dg_ready, done):
+    def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, dq_ref,
+             dk_ref, dg_ref, q_s, k_s, parts, da_s, pool, vecs, loaded, *own_bf16):
+        # bfloat16 tiles: the range matrix and the parts of the dg sums; within the pool (its
+        # value-tile half, free after the first products) for bfloat16 inputs
+        bpool = own_bf16[0] if own_bf16 else pool.at[4:8]
         flat, head, batch = (lax.axis_index(x) for x in ("chunk_slab", "head", "batch"))
         chunk, slab = lax.div(flat, jnp.int32(slabs)), lax.rem(flat, jnp.int32(slabs))
-        wg = lax.axis_index("wg")
         kcols = pl.ds(slab * SLAB, SLAB)
         tokens = (batch, pl.ds(chunk * c, c), head)
-        shape = (c, SLAB)
-
-        @pl.when(wg == 0)
-        def _():
-            copies = [(q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
-                      (v_ref.at[tokens], v_s), (do_ref.at[tokens], do_s),
-                      (h_ref.at[batch, head, chunk, kcols], h_s),
-                      (dh_ref.at[batch, head, chunk, kcols], dh_s),
-                      (term_ref.at[batch, head, chunk, kcols], term_s)]
-            for src, dst in copies:
-                plgpu.copy_gmem_to_smem(src, dst, loaded)
-
-            # the gate sums into the shift buffer, then every warpgroup reads them
-            b = plgpu.load(b_ref.at[tokens + (kcols,)], layout=plgpu.Layout.WGMMA,
-                           optimized=False)
-            b_pad.at[pl.ds(PAD, c), pl.ds(0, SLAB)][...] = b
-            at_or_after[...] = lower_triangle(c, upper=True)
-            plgpu.commit_smem()  # the tensor cores of both warpgroups read at_or_after
-            plgpu.barrier_arrive(sums_ready)
-
+        # pool roles, first products: v, do, h_n, dh_{n+1} by value tile
+        v_t, do_t = pool.at[0:vtiles], pool.at[2:2 + vtiles]
+        h_t, dh_t = pool.at[4:4 + vtiles], pool.at[6:6 + vtiles]
+        copies = [(q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
+                  (last_ref.at[batch, head, chunk, kcols], vecs.at[0]),
+                  (term_ref.at[batch, head, chunk, kcols], vecs.at[1])]
+        for j in range(vtiles):
+            vcols = pl.ds(j * SLAB, SLAB)
+            copies += [(v_ref.at[tokens + (vcols,)], v_t.at[j]),
+                       (do_ref.at[tokens + (vcols,)], do_t.at[j]),
+                       (h_ref.at[batch, head, chunk, kcols, vcols], h_t.at[j]),
+                       (dh_ref.at[batch, head, chunk, kcols, vcols], dh_t.at[j])]
+        for src, dst in copies:
+            plgpu.copy_gmem_to_smem(src, dst, loaded)
+        store_gate_parts(g_ref.at[tokens + (kcols,)], parts, 1)
         plgpu.barrier_wait(loaded)
 
-        def side(queries: bool, own_ops):
-            """dq (queries) or dk, and this side's part of the dg sums; own_ops [C, SLAB] holds
-            this side's level operands."""
-            mine, other = (q_s, k_s) if queries else (k_s, q_s)
-            # dA = do v^T (queries) or dA^T = v do^T, and do h_n^T or v dh_{n+1}^T
-            left, right, state = (do_s, v_s, h_s) if queries else (v_s, do_s, dh_s)
-            da = matmul([(left, T(right))], (c, c), interpret=interpret)
-            inter = matmul([(left, T(state))], shape, interpret=interpret)
-            r, x = iota((c, c), 0), iota((c, c), 1)
-            visible = r >= x if queries else r <= x
-            da = jnp.where(visible, da * scale, 0.0)  # dA (queries) or dA^T, [C, C]
-            da16 = da.astype(dtype)
-            plgpu.barrier_wait(sums_ready)
-            b = load_sums(b_pad, 0, c)
-            mine_f = load_slab(mine, 0)
-            other_f = load_slab(other, 0)
-            if queries:
-                weight = jnp.exp(b) * scale
-            else:
-                weight = jnp.exp(cols(last_sums(b_pad, 0, c), shape) - b)
-            inter = inter * weight
-            grad = inter + rows(_diagonal(da), shape) * other_f
-            cancel = mine_f * inter if queries else None  # Dq's inter part; Dk has none
-            y = None if queries else mine_f * inter  # Y = k dk_inter
-            for level in range(levels):
-                factor = level_factor(b_pad, b, 0, level, c)
-                upper = pair_levels.is_upper(iota(shape, 0), level)
-                q_op = jnp.where(upper, load_slab(q_s, 0) * factor, 0.0).astype(dtype)
-                k_op = jnp.where(upper, 0.0, load_slab(k_s, 0) * factor).astype(dtype)
-                mine_op, other_op = (q_op, k_op) if queries else (k_op, q_op)
-                if level:
-                    operands_released(interpret=interpret)  # the last level's wgmma read own_ops
-                own_ops[...] = other_op
-                plgpu.commit_smem()
-                mask = _level_mask(c, level, transposed=not queries)
-                prod = matmul([(jnp.where(mask, da16, jnp.zeros_like(da16)), own_ops)], shape,
-                              interpret=interpret)
-                grad = grad + factor * prod
-                term = mine_op.astype(F32) * prod
-                cancel = term if cancel is None else cancel + term
-            return grad, cancel, y
+        # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T
+        tiles = range(vtiles)
+        da = matmul([(do_t.at[j], T(v_t.at[j])) for j in tiles], (c, c), interpret=interpret)
+        r, x = iota((c, c), 0), iota((c, c), 1)
+        da = jnp.where(r >= x, da * scale, 0.0)
+        diag = rows(_diagonal(da), shape)
+        da_s[...] = da.astype(dtype)
+        q_inter = matmul([(do_t.at[j], T(h_t.at[j])) for j in tiles], shape, interpret=interpret)
+        k_inter = matmul([(v_t.at[j], T(dh_t.at[j])) for j in tiles], shape, interpret=interpret)
 
-        @pl.when(wg == 0)
-        def _():
-            own_ops, own_parts = ops_q, parts_q
-            dq, dq_cancel, _ = side(True, own_ops)
-            dg = summed_rows(at_or_after, dq_cancel, own_parts, interpret=interpret)
-            plgpu.barrier_wait(dg_ready)
-            dg = dg + plgpu.load(exchange.at[:, pl.ds(0, SLAB)], layout=plgpu.Layout.WGMMA,
-                                 optimized=False)
-            dg_ref.at[tokens + (kcols,)][...] = dg
-            own_ops[...] = dq.astype(dtype)
+        # the inter-chunk parts, weighted by exp(b) and exp(b_last - b)
+        ranges = bpool.at[3]
+        operands_released(interpret=interpret)  # the products above read the pool
+        ranges[...] = range_matrix(*prefix_range(c), c)
+        plgpu.commit_smem()
+        q_f, k_f = (plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32) for ref in (q_s, k_s))
+        q_inter = q_inter * (jnp.exp(range_sums(ranges, parts, 0, interpret=interpret)) * scale)
+        grad_q = q_inter + diag * k_f
+        cancel = q_f * q_inter  # Dq's inter part
+        operands_released(interpret=interpret)
+        ranges[...] = range_matrix(*suffix_range(c), c)
+        plgpu.commit_smem()
+        k_inter = k_inter * jnp.exp(range_sums(ranges, parts, 0, interpret=interpret))
+        grad_k = k_inter + diag * q_f
+        y_parts = [bpool.at[i] for i in range(3)]  # Y = k dk_inter, summed over s < t at the end
+        store_parts(k_f * k_inter, y_parts)
+
+        # the levels: one factor, one masked dA_L, a product for each side
+        da_level, q_ops, k_ops = pool.at[0], pool.at[1], pool.at[2]
+
+        def level_step(level, carry):
+            grad_q, grad_k, cancel = carry
+            operands_released(interpret=interpret)  # the last level's wgmmas read the pool
+            ranges[...] = range_matrix(*level_range(level, c), c)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(own_ops, dq_ref.at[tokens + (kcols,)])
-            plgpu.wait_smem_to_gmem(0)
-            plgpu.barrier_arrive(done)
-
-        @pl.when(wg == 1)
-        def _():
-            own_ops, own_parts = ops_k, parts_k
-            before[...] = lower_triangle(c, strict=True)  # its tensor cores read it after a commit
-            dk, dk_cancel, y = side(False, own_ops)
-            b_last = cols(last_sums(b_pad, 0, c), shape)
-            state = jnp.exp(b_last) * cols(plgpu.load(term_s, layout=COL), shape)
-            part = summed_rows(at_or_after, -dk_cancel, own_parts, interpret=interpret,
-                               init=state)
-            part = summed_rows(before, y, own_parts, interpret=interpret, init=part)
-            exchange.at[:, pl.ds(0, SLAB)][...] = part
-            plgpu.barrier_arrive(dg_ready)  # every thread releases its rows
-            own_ops[...] = dk.astype(dtype)
+            factor = jnp.exp(range_sums(ranges, parts, 0, interpret=interpret))
+            upper = upper_rows(level, shape)
+            zero = full(shape, 0.0)
+            q_op = jnp.where(upper, plgpu.load(q_s, layout=plgpu.Layout.WGMMA).astype(F32)
+                             * factor, zero).astype(dtype)
+            k_op = jnp.where(upper, zero, plgpu.load(k_s, layout=plgpu.Layout.WGMMA).astype(F32)
+                             * factor).astype(dtype)
+            q_ops[...] = q_op
+            k_ops[...] = k_op
+            da16 = plgpu.load(da_s, layout=plgpu.Layout.WGMMA)
+            da_level[...] = jnp.where(level_pairs(level, c), da16, jnp.zeros_like(da16))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(own_ops, dk_ref.at[tokens + (kcols,)])
-            plgpu.wait_smem_to_gmem(0)
-            plgpu.barrier_wait(done)
+            prod = matmul([(da_level, k_ops)], shape, interpret=interpret)
+            grad_q = grad_q + factor * prod
+            cancel = cancel + q_op.astype(F32) * prod
+            prod = matmul([(T(da_level), q_ops)], shape, interpret=interpret)
+            grad_k = grad_k + factor * prod
+            cancel = cancel - k_op.astype(F32) * prod
+            return grad_q, grad_k, cancel
 
+        grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))
+
+        # dg = sum_{s < t} Y_s + e^(b_last) term + sum_{s >= t} cancel_s
+        t = row_index(c)
+        operands_released(interpret=interpret)
+        ranges[...] = range_matrix(t - t - 1, t - 1, c)  # s < t
+        plgpu.commit_smem()
+        state = cols(jnp.exp(plgpu.load(vecs.at[0], layout=COL))
+                     * plgpu.load(vecs.at[1], layout=COL), shape)
+        dg = matmul([(ranges, part) for part in y_parts], shape, interpret=interpret, init=state)
+        operands_released(interpret=interpret)
+        ranges[...] = range_matrix(t - 1, t - t + (c - 1), c)  # s >= t
+        store_parts(cancel, y_parts)
+        plgpu.commit_smem()
+        dg = matmul([(ranges, part) for part in y_parts], shape, interpret=interpret, init=dg)
+        dg_ref.at[tokens + (kcols,)][...] = dg
+        q_s[...] = grad_q.astype(dtype)
+        k_s[...] = grad_k.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[tokens + (kcols,)])
+        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[tokens + (kcols,)])
+        plgpu.wait_smem_to_gmem(0)
+
+    tile = plgpu.SMEM((c, SLAB), dtype, transforms=SWIZZLED)
     scratch = [
-        plgpu.SMEM((c, SLAB), dtype, transforms=SWIZZLED),  # q's slab
-        plgpu.SMEM((c, SLAB), dtype, transforms=SWIZZLED),  # k's slab
-        plgpu.SMEM((c, vd), dtype, transforms=SWIZZLED),  # v
-        plgpu.SMEM((c, vd), dtype, transforms=SWIZZLED),  # do
-        plgpu.SMEM((SLAB, vd), dtype, transforms=SWIZZLED),  # h_n's rows of the slab
-        plgpu.SMEM((SLAB, vd), dtype, transforms=SWIZZLED),  # dh_{n+1}'s rows
-        plgpu.SMEM((SLAB,), F32),  # the state term
-        shift_buffer(c, SLAB),
-        plgpu.SMEM((c, SLAB + 8), F32),  # warpgroup 1's part of dg (padded as the shift buffer)
-        # each side's level operands, then its gradient; each side's bfloat16 parts (static
-        # buffers per warpgroup: no buffer is picked by the warpgroup index at run time)
-        plgpu.SMEM((c, SLAB), dtype, transforms=SWIZZLED),
-        plgpu.SMEM((c, SLAB), dtype, transforms=SWIZZLED),
-        plgpu.SMEM((3, c, SLAB), BF16, transforms=SWIZZLED),
-        plgpu.SMEM((3, c, SLAB), BF16, transforms=SWIZZLED),
-        # the triangles of the dg sums, s >= t and s < t: shared-memory operands (a triangle
-        # taken from registers summed the wrong rows on an H100, 2026-11-25)
-        plgpu.SMEM((c, c), BF16, transforms=SWIZZLED),
-        plgpu.SMEM((c, c), BF16, transforms=SWIZZLED),
-        plgpu.Barrier(num_arrivals=7),  # loaded
-        plgpu.Barrier(num_arrivals=1),  # gate sums in the shift buffer
-        plgpu.Barrier(num_arrivals=1),  # warpgroup 1's dg part in g_s
-        plgpu.Barrier(num_arrivals=1),  # warpgroup 0 is done with every buffer
+        tile,  # q's slab, then dq
+        tile,  # k's slab, then dk
+        plgpu.SMEM((GATE_PARTS, 1, c, SLAB), BF16, transforms=SWIZZLED),  # g's parts
+        plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
+        plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
+        plgpu.SMEM((2, SLAB), F32),  # b_last, the state term
+        plgpu.Barrier(num_arrivals=4 + 4 * vtiles),
     ]
+    if dtype != BF16:
+        scratch.append(plgpu.SMEM((4, c, SLAB), BF16, transforms=SWIZZLED))
     token_type = jax.ShapeDtypeStruct(q.shape, dtype)
     kernel = plgpu.kernel(
         body,
@@ -257,10 +227,9 @@ def chunk_grads(q, k, v, do, b, h_hi, dh, term, *, scale: float, interpret):
         scratch_types=scratch,
         grid=(n * slabs, h, bsz),
         grid_names=("chunk_slab", "head", "batch"),
-        num_threads=2,
-        thread_name="wg",
+        kernel_name="gla_grads_mosaic",
         compiler_params=COMPILER_PARAMS,
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
     )
     with jax.named_scope(f"gla_grads_mosaic_key_dim={kd}"):
-        return kernel(q, k, v, do, b, h_hi, dh, term)
+        return kernel(q, k, v, do, g, last, h_hi, dh, term)

@@ -4,17 +4,26 @@ A chunk's intra products factor the decay exp(b_r - b_x) per pair level (common/
 for level L one [C, K] factor F_L (every exponent <= 0) and one masked matrix product. Six levels
 at C = 64, whatever the gates: the work never depends on their strength, and no exponent is
 ever positive. This module holds what the forward's `prep` kernel and the backward's chunk kernel
-(kernels_mosaic_grads.py) share, and `prep`. From the chunk-local gate sums b (computed by XLA,
-float32) it writes
+(kernels_mosaic_grads.py) share, and `prep`.
+
+Exponents as range sums. Every exponent the kernels take is a sum of gates over a range of the
+chunk's tokens: F_L's is g summed over (m, t] on a level's upper rows and over (t, m] on its
+lower rows (m the separator), b_t = g summed over [0, t], b_last - b_t over (t, C). So each is one
+product on the tensor cores, E = R g, with R a [C, C] 0/1 range matrix built from the row index
+(and the level, a loop index: one loop body serves the six levels, which keeps the code within
+the instruction cache) and g in two bfloat16 parts (16 significand bits: an exponent E is off by
+at most 2^-17 |E|, a relative 2e-4 on any weight above e^-30). The kernels take the gates g
+themselves: no cumulative sum precedes them.
+
+`prep` writes, from q, k [C, K] and the gates g of a chunk,
 
     A     = scale * sum_L mask_L * ((q F_L)_upper (k F_L)_lower^T) + diag(q . k)      [C, C]
     qd    = scale * q * exp(b),   kd = k * exp(b_last - b)                            [C, K]
+    last  = b_last                                                                    [K]
 
-A [B, H, Tp, C], qd and kd [B, Tp, H, K] in the input dtype feed the chunk-serial state pass
-(kernels_mosaic_state.py). One block per (chunk, head, batch), one warpgroup. Key columns are
-taken in slabs of 64 (the registers a slab's factors need). The gate sums reach shared memory
-through registers, not TMA: the row shifts read a padded, unswizzled buffer, and a float32 tile
-that TMA wrote with a 128-byte swizzle read back wrong rows on an H100 (2026-11-25).
+A [B, H, Tp, C], qd and kd [B, Tp, H, K] in the input dtype and last [B, H, N, K] float32 feed
+the chunk-serial state pass (kernels_mosaic_state.py). One block per (chunk, head, batch), one
+warpgroup; key columns in slabs of 64 (the registers a slab's factors need).
 """
 
 from __future__ import annotations
@@ -30,20 +39,29 @@ from gla_tpu.ops.common.mosaic_gpu import SWIZZLED
 
 CHUNK = 64
 SLAB = 64  # key columns per slab
-PAD = 8  # rows above and below the gate sums in the shift buffer (level shifts reach 4)
+GATE_PARTS = 2  # bfloat16 parts of the float32 gates in the range-sum products
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 F32 = jnp.float32
 BF16 = jnp.bfloat16
-# Lane semantics: shared-memory buffers keep exactly the transforms given here (the row-shifted
-# views of the unswizzled gate-sum buffer need that; warpgroup semantics would infer its own)
+# Lane semantics: shared-memory buffers keep exactly the transforms given here
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
                                        lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
 def iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
+
+
+def row_index(chunk: int):
+    """[C] int32 in the ROW layout: each row's token index."""
+    return plgpu.broadcasted_iota(jnp.int32, (chunk,), 0, layout=ROW)
+
+
+def col_index(chunk: int):
+    """[C] int32 in the COL layout: each column's token index."""
+    return plgpu.broadcasted_iota(jnp.int32, (chunk,), 0, layout=COL)
 
 
 def rows(x, shape):
@@ -69,8 +87,8 @@ class T:
 
 def matmul(pairs, shape, *, interpret: bool, init=None):
     """init + sum(a @ b for a, b in pairs) [shape] float32 on the tensor cores. `a` is a 16-bit
-    register array (WGMMA layout) or a shared-memory ref, `b` a shared-memory ref or T(ref).
-    The GPU interpreter runs no wgmma from registers: there it is a jnp.dot."""
+    register array (WGMMA layout), a shared-memory ref or T(ref), `b` a shared-memory ref or
+    T(ref). The GPU interpreter runs no wgmma: there it is a jnp.dot."""
     if interpret:
         out = full(shape, 0.0) if init is None else init
         for a, b in pairs:
@@ -103,89 +121,88 @@ def operands_released(*, interpret: bool):
 
 
 def load_slab(ref, slab: int, dtype=F32):
-    """Slab `slab` ([C, SLAB]) of a swizzled [C, K] tile, as float32 registers."""
+    """Slab `slab` ([C, SLAB]) of a swizzled [C, K] tile, as registers in `dtype`."""
     return plgpu.load(ref.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA).astype(dtype)
 
 
-def _shifted(b_pad, slab: int, shift: int, chunk: int):
-    """[C, SLAB]: row t holds b[t + shift] (rows past the chunk are never selected)."""
-    return plgpu.load(b_pad.at[pl.ds(PAD + shift, chunk), pl.ds(slab * SLAB, SLAB)],
-                      layout=WGMMA, optimized=False)
+def range_matrix(lo, hi, chunk: int):
+    """[C, C] bfloat16 0/1: row t keeps the columns s with lo_t < s <= hi_t (lo, hi [C] int32,
+    ROW layout). R @ g sums g over each row's range."""
+    shape = (chunk, chunk)
+    s = iota(shape, 1)
+    keep = jnp.logical_and(s > rows(lo, shape), s <= rows(hi, shape))
+    return jnp.where(keep, full(shape, 1.0), full(shape, 0.0)).astype(BF16)
 
 
-def _separator_rows(b_pad, b, slab: int, level: int, chunk: int):
-    """[C, SLAB]: row t holds b at m_L(t), the separator of t's level-L block."""
-    shape = (chunk, SLAB)
-    t = iota(shape, 0)
-    block, half = 1 << (level + 1), 1 << level
-    out = None
-    if block > 8:  # few blocks: one broadcast row per block, chosen by the block index
-        for j in range(chunk // block):
-            m = j * block + half - 1
-            row = plgpu.load(b_pad.at[PAD + m, pl.ds(slab * SLAB, SLAB)], layout=COL,
-                             optimized=False)
-            out = cols(row, shape) if out is None else jnp.where(t >= j * block,
-                                                                cols(row, shape), out)
-        return out
-    pos = t & (block - 1)  # small blocks: a shift per position in the block
-    for p in range(block):
-        shift = half - 1 - p
-        val = b if shift == 0 else _shifted(b_pad, slab, shift, chunk)
-        out = val if out is None else jnp.where(pos == p, val, out)
-    return out
+def is_upper(t, level):
+    """t (int32 >= 0) in the upper half of its level-`level` block, as int32 0/1; `level` may be
+    a loop index."""
+    return (t >> level) & 1
 
 
-def level_factor(b_pad, b, slab: int, level: int, chunk: int):
-    """F_L [C, SLAB] float32: exp(b_t - b_m) on the level's upper rows, exp(b_m - b_t) on the
-    others (m the separator; both exponents <= 0)."""
-    ref = _separator_rows(b_pad, b, slab, level, chunk)
-    upper = pair_levels.is_upper(iota(b.shape, 0), level)
-    return jnp.exp(jnp.where(upper, b - ref, ref - b))
+def level_range(level, chunk: int):
+    """(lo, hi) of the level's exponent ranges: (m, t] on upper rows, (t, m] on lower rows."""
+    t = row_index(chunk)
+    m = ((t >> (level + 1)) << (level + 1)) + (jnp.int32(1) << level) - 1
+    up = is_upper(t, level) == 1
+    return jnp.where(up, m, t), jnp.where(up, t, m)
 
 
-def level_operands(q, k, factor, level: int, dtype):
+def prefix_range(chunk: int):
+    """(lo, hi) of b_t: [0, t]."""
+    t = row_index(chunk)
+    return t - t - 1, t
+
+
+def suffix_range(chunk: int):
+    """(lo, hi) of b_last - b_t: (t, C)."""
+    t = row_index(chunk)
+    return t, t - t + (chunk - 1)
+
+
+def level_pairs(level, chunk: int):
+    """[C, C] bool: the pairs (r, x) of level L (r upper, x lower, one block)."""
+    r, x = row_index(chunk), col_index(chunk)
+    shape = (chunk, chunk)
+    block_r = rows(r >> (level + 1), shape)
+    block_x = cols(x >> (level + 1), shape)
+    upper = jnp.logical_and(rows(is_upper(r, level), shape) == 1,
+                            cols(is_upper(x, level), shape) == 0)
+    return jnp.logical_and(block_r == block_x, upper)
+
+
+def upper_rows(level, shape):
+    """[C, W] bool: the rows of the level's upper halves."""
+    return rows(is_upper(row_index(shape[0]), level), shape) == 1
+
+
+def store_gate_parts(g_view, parts, slabs: int):
+    """A chunk's gates g_view [C, slabs * SLAB] (a float32 view of global memory) into parts
+    [GATE_PARTS, slabs, C, SLAB] bfloat16 (hi, then the rest), through registers."""
+    for slab in range(slabs):
+        g = plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA, optimized=False)
+        hi = g.astype(BF16)
+        parts.at[0, slab][...] = hi
+        parts.at[1, slab][...] = (g - hi.astype(F32)).astype(BF16)
+
+
+def range_sums(ranges_smem, parts, slab: int, *, interpret: bool):
+    """[C, SLAB] float32: R @ g for R in ranges_smem ([C, C], committed) and the slab's gates."""
+    return matmul([(ranges_smem, parts.at[p, slab]) for p in range(GATE_PARTS)],
+                  (CHUNK, SLAB), interpret=interpret)
+
+
+def level_operands(q, k, factor, upper, dtype):
     """(q F_L on the level's upper rows, k F_L on its lower rows), zero elsewhere, in dtype."""
-    upper = pair_levels.is_upper(iota(q.shape, 0), level)
     zero = full(q.shape, 0.0)
     return (jnp.where(upper, q * factor, zero).astype(dtype),
             jnp.where(upper, zero, k * factor).astype(dtype))
 
 
-def same_block_mask(chunk: int, level: int):
-    r, x = iota((chunk, chunk), 0), iota((chunk, chunk), 1)
-    return pair_levels.same_block(r, x, level)
-
-
-def load_gate_sums(b_ref, tokens, b_pad, slabs: int, chunk: int):
-    """A chunk's gate sums b [C, K] (float32, from global memory; `tokens` indexes b_ref down to
-    [C, K]) into the shift buffer's middle rows, slab by slab, through registers: the buffer's
-    rows are padded against bank conflicts, which a TMA copy cannot write."""
-    for slab in range(slabs):
-        cols_ = pl.ds(slab * SLAB, SLAB)
-        b = plgpu.load(b_ref.at[tokens + (cols_,)], layout=WGMMA, optimized=False)
-        b_pad.at[pl.ds(PAD, chunk), cols_][...] = b
-
-
-def load_sums(b_pad, slab: int, chunk: int):
-    return _shifted(b_pad, slab, 0, chunk)
-
-
-def last_sums(b_pad, slab: int, chunk: int):
-    """b at the chunk's last token, [SLAB] in the COL layout."""
-    return plgpu.load(b_pad.at[PAD + chunk - 1, pl.ds(slab * SLAB, SLAB)], layout=COL,
-                      optimized=False)
-
-
-def shift_buffer(chunk: int, key_dim: int):
-    """The padded, unswizzled float32 buffer of the gate sums (row shifts read it; 8 more
-    columns than keys keep a warp's 8 rows off one bank)."""
-    return plgpu.SMEM((PAD + chunk + PAD, key_dim + 8), F32)
-
-
-def prep(q, k, b, *, scale: float, interpret):
-    """q, k [B, Tp, H, K] (16-bit, Tp a multiple of 64, K a multiple of 64), b [B, Tp, H, K]
-    float32 chunk-local gate sums -> (A [B, H, Tp, C], qd, kd [B, Tp, H, K] in q's dtype): see
-    the module docstring."""
+def prep(q, k, g, *, scale: float, interpret):
+    """q, k [B, Tp, H, K] (16-bit, Tp a multiple of 64, K a multiple of 64), g [B, Tp, H, K]
+    float32 log gates -> (A [B, H, Tp, C], qd, kd [B, Tp, H, K] in q's dtype, last [B, H, N, K]
+    float32): see the module docstring."""
     bsz, tp, h, kd = q.shape
     c, dtype = CHUNK, q.dtype
     n, slabs = tp // c, kd // SLAB
@@ -193,51 +210,64 @@ def prep(q, k, b, *, scale: float, interpret):
         raise ValueError(f"padded T={tp} and K={kd} must be multiples of {c} and {SLAB}")
     levels = pair_levels.num_levels(c)
 
-    def body(q_ref, k_ref, b_ref, a_ref, qd_ref, kd_ref, q_smem, k_smem, b_pad, kf_smem, a_smem,
-             loaded):
+    def body(q_ref, k_ref, g_ref, a_ref, qd_ref, kd_ref, last_ref, q_smem, k_smem, parts,
+             ranges, kops, stage, loaded):
         chunk, head, batch = (lax.axis_index(x) for x in ("chunk", "head", "batch"))
         tokens = (batch, pl.ds(chunk * c, c), head)
         for src, dst in ((q_ref, q_smem), (k_ref, k_smem)):
             plgpu.copy_gmem_to_smem(src.at[tokens], dst, loaded)
-        load_gate_sums(b_ref, tokens, b_pad, slabs, c)
-        plgpu.commit_smem()  # row shifts read other threads' rows
+        store_gate_parts(g_ref.at[tokens], parts, slabs)
         plgpu.barrier_wait(loaded)
 
-        scores = full((c, c), 0.0)
-        for level in range(levels):
-            if level:
-                operands_released(interpret=interpret)  # the last level's wgmma read kf_smem
+        def level_step(level, scores):
+            # the last level's wgmmas read `ranges` and `kops`
+            operands_released(interpret=interpret)
+            ranges[...] = range_matrix(*level_range(level, c), c)
+            plgpu.commit_smem()
             q_ops = []
             for slab in range(slabs):
-                b = load_sums(b_pad, slab, c)
-                factor = level_factor(b_pad, b, slab, level, c)
+                factor = jnp.exp(range_sums(ranges, parts, slab, interpret=interpret))
                 q_op, k_op = level_operands(load_slab(q_smem, slab), load_slab(k_smem, slab),
-                                            factor, level, dtype)
-                kf_smem.at[slab][...] = k_op
+                                            factor, upper_rows(level, factor.shape), dtype)
+                kops.at[slab][...] = k_op
                 q_ops.append(q_op)
             plgpu.commit_smem()
-            part = matmul([(q_ops[s], T(kf_smem.at[s])) for s in range(slabs)], (c, c),
+            part = matmul([(q_ops[s], T(kops.at[s])) for s in range(slabs)], (c, c),
                           interpret=interpret)
-            scores = scores + jnp.where(same_block_mask(c, level), part, 0.0)
+            return scores + jnp.where(level_pairs(level, c), part, 0.0)
+
+        scores = lax.fori_loop(0, levels, level_step, full((c, c), 0.0))
         diag = None
         for slab in range(slabs):
             prod = jnp.sum(load_slab(q_smem, slab) * load_slab(k_smem, slab), axis=1)
             diag = prod if diag is None else diag + prod
         r, x = iota((c, c), 0), iota((c, c), 1)
-        scores = scores + jnp.where(r == x, rows(diag, (c, c)), 0.0)
-        a_smem[...] = (scores * scale).astype(dtype)
+        scores = (scores + jnp.where(r == x, rows(diag, (c, c)), 0.0)) * scale
 
+        # qd and kd over q and k; b_last of each slab through `stage`
+        operands_released(interpret=interpret)
+        ranges[...] = range_matrix(*prefix_range(c), c)
+        plgpu.commit_smem()
         for slab in range(slabs):
-            b = load_sums(b_pad, slab, c)
-            shape = b.shape
-            last = cols(last_sums(b_pad, slab, c), shape)
+            b = range_sums(ranges, parts, slab, interpret=interpret)
             span = pl.ds(slab * SLAB, SLAB)
             qd = load_slab(q_smem, slab) * (jnp.exp(b) * scale)
-            kdec = load_slab(k_smem, slab) * jnp.exp(last - b)
+            if slab:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slab's row is out
+            stage[...] = b
             q_smem.at[:, span][...] = qd.astype(dtype)
-            k_smem.at[:, span][...] = kdec.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, head, chunk, span])
+        operands_released(interpret=interpret)
+        ranges[...] = range_matrix(*suffix_range(c), c)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(a_smem, a_ref.at[batch, head, pl.ds(chunk * c, c)])
+        for slab in range(slabs):
+            rest = range_sums(ranges, parts, slab, interpret=interpret)
+            span = pl.ds(slab * SLAB, SLAB)
+            k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp(rest)).astype(dtype)
+        kops.at[0][...] = scores.astype(dtype)  # A (C = SLAB)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(kops.at[0], a_ref.at[batch, head, pl.ds(chunk * c, c)])
         plgpu.copy_smem_to_gmem(q_smem, qd_ref.at[tokens])
         plgpu.copy_smem_to_gmem(k_smem, kd_ref.at[tokens])
         plgpu.wait_smem_to_gmem(0)
@@ -245,20 +275,23 @@ def prep(q, k, b, *, scale: float, interpret):
     scratch = [
         plgpu.SMEM((c, kd), dtype, transforms=SWIZZLED),  # q, then qd
         plgpu.SMEM((c, kd), dtype, transforms=SWIZZLED),  # k, then kd
-        shift_buffer(c, kd),  # b
-        plgpu.SMEM((slabs, c, SLAB), dtype, transforms=SWIZZLED),  # a level's key operands
-        plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # A
+        plgpu.SMEM((GATE_PARTS, slabs, c, SLAB), BF16, transforms=SWIZZLED),  # g's parts
+        plgpu.SMEM((c, c), BF16, transforms=SWIZZLED),  # a range matrix
+        plgpu.SMEM((slabs, c, SLAB), dtype, transforms=SWIZZLED),  # a level's key operands; A
+        plgpu.SMEM((c, SLAB), F32),  # b of a slab (its last row goes out)
         plgpu.Barrier(num_arrivals=2),
     ]
     token_type = jax.ShapeDtypeStruct(q.shape, dtype)
     kernel = plgpu.kernel(
         body,
-        out_type=[jax.ShapeDtypeStruct((bsz, h, tp, c), dtype), token_type, token_type],
+        out_type=[jax.ShapeDtypeStruct((bsz, h, tp, c), dtype), token_type, token_type,
+                  jax.ShapeDtypeStruct((bsz, h, n, kd), F32)],
         scratch_types=scratch,
         grid=(n, h, bsz),
         grid_names=("chunk", "head", "batch"),
+        kernel_name="gla_prep_mosaic",
         compiler_params=COMPILER_PARAMS,
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
     )
     with jax.named_scope(f"gla_prep_mosaic_key_dim={kd}"):
-        return kernel(q, k, b)
+        return kernel(q, k, g)

@@ -203,6 +203,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     if p.state_term:
         out_type.append(jax.ShapeDtypeStruct((bsz, h, n, vd // BLOCK_V, kd), F32))
     out_type.append(jax.ShapeDtypeStruct((bsz, h, kd, vd), F32))
+    name = "gla_dstate_mosaic" if p.reverse else "gla_state_mosaic"
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -211,6 +212,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         grid_names=("value", "head", "batch"),
         num_threads=2,
         thread_name="wg",
+        kernel_name=name,
         compiler_params=COMPILER_PARAMS,
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
     )
@@ -219,6 +221,5 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         operands += [w, a]
     if p.state_term:
         operands += list(h_parts)
-    name = "gla_dstate_mosaic" if p.reverse else "gla_state_mosaic"
     with jax.named_scope(f"{name}_key_dim={kd}"):
         return kernel(*operands)

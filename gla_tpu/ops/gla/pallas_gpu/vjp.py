@@ -95,9 +95,9 @@ chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 # The pair-level Mosaic GPU kernels (per-key gates, plan.mosaic_chunk). Forward: prep (A, qd, kd,
-# the chunk decays), then the state pass with outputs; training also stores each chunk's entering
-# state (two 16-bit parts). Backward: the reversed state pass (dh per chunk, dv, the state term of
-# dg, d initial_state), then dq, dk, dg per chunk and key slab.
+# the chunk decays, from the gates themselves), then the state pass with outputs; training also
+# stores each chunk's entering state (two 16-bit parts). Backward: the reversed state pass (dh per
+# chunk, dv, the state term of dg, d initial_state), then dq, dk, dg per chunk and key slab.
 _INFERENCE = Pass(reverse=False, outputs=True, store_parts=0, state_term=False)
 _TRAINING = Pass(reverse=False, outputs=True, store_parts=2, state_term=False)
 _REVERSED = Pass(reverse=True, outputs=True, store_parts=1, state_term=True)
@@ -111,30 +111,28 @@ def mosaic_chunked(q, k, v, g, s0, geo, interpret):
 
 
 def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
-    # b [B, Tp, H, K] float32; the decay of each chunk, b at its last token, [B, H, N, K]
-    c = kernels_mosaic_levels.CHUNK
-    b = chunk_local_cumsum(g, c, method="triangular")
-    last = jnp.swapaxes(b[:, c - 1::c], 1, 2)
-    a, qd, kd = kernels_mosaic_levels.prep(q, k, b, scale=geo.scale, interpret=interpret)
+    # last: b at each chunk's last token, [B, H, N, K] float32
+    a, qd, kd, last = kernels_mosaic_levels.prep(q, k, g, scale=geo.scale, interpret=interpret)
     o, *parts, final = kernels_mosaic_state.state_pass(kd, v, last, s0, w=qd, a=a, p=p,
                                                        interpret=interpret)
-    return (o, final), (b, a, qd, kd, last, *parts)
+    return (o, final), (a, qd, kd, last, *parts)
 
 
 def _mosaic_fwd(q, k, v, g, s0, geo, interpret):
     out, saved = _mosaic_forward(q, k, v, g, s0, geo, interpret, _TRAINING)
-    return out, (q, k, v, s0, *saved)
+    return out, (q, k, v, g, s0, *saved)
 
 
 def _mosaic_bwd(geo, interpret, residuals, cotangents):
-    q, k, v, s0, b, a, qd, kd, last, h_hi, h_lo = residuals
+    q, k, v, g, s0, a, qd, kd, last, h_hi, h_lo = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
     dv, dh, term, ds0 = kernels_mosaic_state.state_pass(
         qd, do, last, dfinal.astype(jnp.float32), w=kd, a=a, h_parts=(h_hi, h_lo), p=_REVERSED,
         interpret=interpret)
-    dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, b, h_hi, dh, jnp.sum(term, axis=3),
-                                                  scale=geo.scale, interpret=interpret)
+    dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh,
+                                                  jnp.sum(term, axis=3), scale=geo.scale,
+                                                  interpret=interpret)
     return dq, dk, dv, dg, None if s0 is None else ds0
 
 

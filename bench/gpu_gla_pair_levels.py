@@ -1,0 +1,150 @@
+"""The pair-level Mosaic GPU GLA kernels (per-key gates, Hopper) one by one: a check against the
+XLA backend, each kernel timed alone, forward and forward+backward through ops.gla, and a mode
+that runs each kernel once for a profiler (ncu). GPU only.
+
+    python3 bench/gpu_gla_pair_levels.py --shape 4,4096,16,128,128 --gates fla,strong --out OUT
+    ncu --kernel-name regex:gla_ --launch-count 6 python3 bench/gpu_gla_pair_levels.py --once
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.gpu_side_by_side import GATES, Context, fwd_bwd, gla_inputs, ours_gla, record, \
+    rel_err, time_jax, versions, write_outputs
+from bench.harness import environment
+from gla_tpu.ops.common.flops import gla_flops
+from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_grads, kernels_mosaic_levels, \
+    kernels_mosaic_state
+from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING
+
+
+def kernel_stages(scale):
+    """name -> (function, names of its arguments), in the order the forward and backward run."""
+    sp = kernels_mosaic_state.state_pass
+    return {
+        "prep": (lambda q, k, g: kernels_mosaic_levels.prep(q, k, g, scale=scale, interpret=False),
+                 ("q", "k", "g")),
+        "state_inference": (lambda kd, v, last, qd, a: sp(kd, v, last, None, w=qd, a=a,
+                                                          p=_INFERENCE, interpret=False),
+                            ("kd", "v", "last", "qd", "a")),
+        "state_training": (lambda kd, v, last, qd, a: sp(kd, v, last, None, w=qd, a=a,
+                                                         p=_TRAINING, interpret=False),
+                           ("kd", "v", "last", "qd", "a")),
+        "state_reversed": (lambda qd, do, last, kd, a, h_hi, h_lo: sp(
+            qd, do, last, None, w=kd, a=a, h_parts=(h_hi, h_lo), p=_REVERSED, interpret=False),
+            ("qd", "do", "last", "kd", "a", "h_hi", "h_lo")),
+        "grads": (lambda q, k, v, do, g, last, h_hi, dh, term: kernels_mosaic_grads.chunk_grads(
+            q, k, v, do, g, last, h_hi, dh, term, scale=scale, interpret=False),
+            ("q", "k", "v", "do", "g", "last", "h_hi", "dh", "term")),
+    }
+
+
+def kernel_operands(shape, gate, seed=0):
+    """Every operand the stages take, from one draw (q, k, v, do ~ N(0, 1), g from GATES)."""
+    b_, t, h, kd, vd = shape
+    rng = np.random.default_rng(seed)
+    q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
+    env = {"q": jnp.asarray(q, jnp.bfloat16), "k": jnp.asarray(k, jnp.bfloat16),
+           "v": jnp.asarray(v, jnp.bfloat16), "g": jnp.asarray(g),
+           "do": jnp.asarray(rng.standard_normal(v.shape, np.float32), jnp.bfloat16)}
+    stages = kernel_stages(kd ** -0.5)
+    env["a"], env["qd"], env["kd"], env["last"] = jax.jit(stages["prep"][0])(
+        env["q"], env["k"], env["g"])
+    _, env["h_hi"], env["h_lo"], _ = jax.jit(stages["state_training"][0])(
+        *(env[x] for x in stages["state_training"][1]))
+    _, env["dh"], term, _ = jax.jit(stages["state_reversed"][0])(
+        *(env[x] for x in stages["state_reversed"][1]))
+    env["term"] = jnp.sum(term, axis=3)
+    return env, stages
+
+
+def bench_kernels(ctx, shape, gate, once=False):
+    env, stages = kernel_operands(shape, gate)
+    for name, (fn, arg_names) in stages.items():
+        args = tuple(env[x] for x in arg_names)
+        if once:
+            jax.block_until_ready(jax.jit(fn)(*args))
+            continue
+        record(ctx, op="gla_pair_kernel", impl=name, shape=shape, mode="fwd", gate=gate,
+               timing=time_jax(fn, *args))
+
+
+def check(ctx, shape, gate):
+    """Outputs and every gradient of the pair-level path against the XLA backend on the same
+    bfloat16 inputs (float32 arithmetic there): relative errors, recorded as notes."""
+    from gla_tpu import ops
+
+    b_, t, h, kd, vd = shape
+    rng = np.random.default_rng(ctx.seed + 1)
+    q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
+    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    jg = jnp.asarray(g)
+    ct = jnp.asarray(rng.standard_normal(v.shape, np.float32))
+
+    def xla(q, k, v, g):
+        o, _ = ops.gla(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g,
+                       mode="chunk", backend="xla")
+        return o
+
+    ours = fwd_bwd(ours_gla("chunk", chunk_kernel="mosaic_gpu"), ct)
+    got = jax.jit(ours)(jq, jk, jv, jg)
+    want = jax.jit(fwd_bwd(xla, ct))(jq, jk, jv, jg)
+    errs = {name: rel_err(a, b) for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want)}
+    o = jax.jit(ours_gla("chunk", chunk_kernel="mosaic_gpu"))(jq, jk, jv, jg)
+    errs["o"] = rel_err(o, jax.jit(xla)(jq, jk, jv, jg))
+    note = " ".join(f"{n} {e:.1e}" for n, e in errs.items())
+    bad = [n for n, e in errs.items() if not e < 2e-2]
+    record(ctx, op="gla_pair_check", impl="pair_levels", shape=shape, mode="fwd+bwd", gate=gate,
+           note=note, error=f"rel err above 2e-2: {bad}" if bad else None)
+
+
+def bench_total(ctx, shape, gate):
+    b_, t, h, kd, vd = shape
+    rng = np.random.default_rng(ctx.seed)
+    q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(g)]
+    ct = jnp.asarray(rng.standard_normal(v.shape, np.float32))
+    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu")
+    for mode, f in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn, ct))):
+        record(ctx, op="gla", impl="ours_chunk_pair_levels", shape=shape, mode=mode, gate=gate,
+               timing=time_jax(f, *args),
+               flops=gla_flops(b_, t, h, kd, vd, backward=mode == "fwd+bwd"))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
+    parser.add_argument("--gates", default="fla", help=f"comma list of {sorted(GATES)}")
+    parser.add_argument("--parts", default="check,kernels,total")
+    parser.add_argument("--once", action="store_true", help="run each kernel once (profilers)")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="gla_pair_levels")
+    args = parser.parse_args(argv)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    env = environment()
+    env["versions"] = versions()
+    ctx = Context(env=env, records=[],
+                  path=None if args.once else os.path.join(args.out, f"{args.tag}.json"))
+    for gate in args.gates.split(","):
+        if args.once:
+            bench_kernels(ctx, shape, gate, once=True)
+            continue
+        parts = args.parts.split(",")
+        if "check" in parts:
+            check(ctx, shape, gate)
+        if "kernels" in parts:
+            bench_kernels(ctx, shape, gate)
+        if "total" in parts:
+            bench_total(ctx, shape, gate)
+    if not args.once:
+        write_outputs(ctx, args.out, args.tag)
+
+
+if __name__ == "__main__":
+    main()
