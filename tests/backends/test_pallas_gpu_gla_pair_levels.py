@@ -64,22 +64,33 @@ def test_lowers_to_four_mosaic_kernels_and_no_triton():
     assert gla_lowered_kernels(PAIR_LEVELS, q, v, g, s0) == ((2, 0), (4, 0))
 
 
-@pytest.mark.parametrize("gate,key_dim,value_dim,dtype,segments,match", [
-    ("head", 64, 64, jnp.bfloat16, False, "per-head"),
-    ("key", 256, 64, jnp.bfloat16, False, "padded K = 256"),
-    ("key", 64, 512, jnp.bfloat16, False, "V = 512"),
-    ("key", 64, 64, jnp.float32, False, "float32"),
-    ("key", 64, 64, jnp.bfloat16, True, "segment_ids")])
-def test_refuses_what_it_cannot_take(gate, key_dim, value_dim, dtype, segments, match):
+@pytest.mark.parametrize("mode,key_dim,value_dim,dtype,segments,match", [
+    ("fused_recurrent", 64, 64, jnp.bfloat16, False, "fused_recurrent"),
+    ("chunk", 256, 64, jnp.bfloat16, False, "padded K = 256"),
+    ("chunk", 64, 512, jnp.bfloat16, False, "V = 512"),
+    ("chunk", 64, 64, jnp.float32, False, "float32"),
+    ("chunk", 64, 64, jnp.bfloat16, True, "segment_ids")])
+def test_refuses_what_it_cannot_take(mode, key_dim, value_dim, dtype, segments, match):
     x = jnp.ones((1, 64, 1, key_dim), dtype)
     v = jnp.ones((1, 64, 1, value_dim), dtype)
-    g = jnp.full((1, 64, 1, key_dim) if gate == "key" else (1, 64, 1), -0.1)
+    g = jnp.full((1, 64, 1, key_dim), -0.1)
     seg = jnp.zeros((1, 64), jnp.int32) if segments else None
     with pytest.raises(NotImplementedError, match=match):
-        ops.gla(x, x, v, g, segment_ids=seg, backend="pallas_gpu", interpret=True,
+        ops.gla(x, x, v, g, segment_ids=seg, mode=mode, backend="pallas_gpu", interpret=True,
                 block_sizes=PAIR_LEVELS)
     with pytest.raises(ValueError, match="chunk_kernel"):
         BlockSizes(chunk_kernel="cuda")
+
+
+# Per-head and absent gates train on the same kernels, broadcast over K (dg summed back over K by
+# autodiff of the broadcast).
+@pytest.mark.parametrize("case", [
+    GLACase(1, 70, 2, 64, 64, gate="head", initial_state=True),
+    GLACase(1, 70, 1, 64, 128, gate="none"),
+], ids=str)
+def test_interpret_parity_per_head_and_no_gate(case):
+    check_gla_parity(case, jax.random.key(3), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     interpret=True, block_sizes=PAIR_LEVELS)
 
 
 # The gate distributions of docs/gpu_backend.md: logsigmoid(N(0,1)) (fla's benchmark draw), the

@@ -38,13 +38,12 @@ CAPABILITIES = Capabilities(
     dtypes=("bfloat16", "float16", "float32"),
     dims=(("K", Dims(high=MAX_DIM)), ("V", Dims(high=MAX_DIM))),
     features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=(CHUNK,),
-    notes="every mode runs the chunked Triton kernels (fused_recurrent with float32-accurate "
-          "state products in its backward); T <= 16 without segments: a token-by-token "
-          "forward; forward and backward incl. dg; on Hopper, an undifferentiated call with "
-          "per-head or no gates (16-bit, K <= 128, no segments) runs one Mosaic GPU forward; "
-          "BlockSizes(chunk_kernel='mosaic_gpu'): per-key gates on Hopper by pair-level Mosaic "
-          "GPU kernels, forward and backward, one speed for every gate (16-bit, K, V <= 128, "
-          "no segments)",
+    notes="on Hopper, modes chunk and fused_chunk run pair-level Mosaic GPU kernels, forward "
+          "and backward incl. dg, one speed for every gate (16-bit, K, V <= 128, no segments; "
+          "per-head and no gates broadcast over K), and an undifferentiated call with per-head "
+          "or no gates one Mosaic GPU forward; elsewhere the chunked Triton kernels "
+          "(fused_recurrent with float32-accurate state products in its backward); T <= 16 "
+          "without segments: a token-by-token forward",
     block_sizes=BlockSizes,
 )
 
@@ -93,8 +92,9 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
         block_sizes, bool(interpret), per_head=per_head, has_segments=segment_ids is not None,
         dtype=q.dtype, key_dim=kp)
     use_mosaic_chunk = mosaic_chunk(
-        block_sizes, bool(interpret), per_head=per_head, has_segments=segment_ids is not None,
-        dtype=q.dtype, key_dim=kp, value_dim=vp)
+        block_sizes, bool(interpret), few_tokens=few_tokens,
+        has_segments=segment_ids is not None, dtype=q.dtype, key_dim=kp, value_dim=vp,
+        exact_inter=problem.mode == "fused_recurrent")
     geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
                          has_segments=segment_ids is not None,
                          exact_inter=problem.mode == "fused_recurrent", per_head=per_head,

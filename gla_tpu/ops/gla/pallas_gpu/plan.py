@@ -39,12 +39,13 @@ class BlockSizes:
         (mosaic_forward_reason), else Triton. Training always runs the chunked kernels.
       mosaic_time_splits: segments of T the Mosaic GPU forward runs side by side (a power of
         two; None: `mosaic_time_splits`, from the GPU's SM count).
-      chunk_kernel: the kernels of a per-key-gate call, forward and backward: "mosaic_gpu" (the
+      chunk_kernel: the kernels of a chunked call, forward and backward: "mosaic_gpu" (the
         pair-level kernels on a Hopper GPU: kernels_mosaic_levels.py, kernels_mosaic_state.py,
-        kernels_mosaic_grads.py; one speed for every gate, where mosaic_chunk_reason allows),
-        "triton" (the chunked kernels), or "auto", which is Triton for now: the pair-level
-        kernels are faster than Triton's at strong gates and slower at weak ones
-        (docs/gpu_backend.md, "Pair-level kernels").
+        kernels_mosaic_grads.py; one speed for every gate, where mosaic_chunk_reason allows;
+        per-head and absent gates broadcast over K), "triton" (the chunked kernels), or
+        "auto": the pair-level kernels on a Hopper GPU where they apply, except for a few
+        tokens (decoding), else Triton. An undifferentiated call with per-head gates or none
+        still runs the one-kernel forward (forward_kernel).
     """
 
     block_v: int | None = None
@@ -182,14 +183,15 @@ def mosaic_forward(block_sizes: BlockSizes, interpret: bool, **problem) -> bool:
 MOSAIC_CHUNK_DIMS = (64, 128)  # padded K and V the pair-level kernels take (shared memory)
 
 
-def mosaic_chunk_reason(*, per_head: bool, has_segments: bool, dtype, key_dim: int,
-                        value_dim: int):
+def mosaic_chunk_reason(*, has_segments: bool, dtype, key_dim: int, value_dim: int,
+                        exact_inter: bool):
     """Why the pair-level Mosaic GPU kernels cannot take a problem (None: they can); key_dim and
-    value_dim are the padded K and V."""
-    if per_head:
-        return "per-head or no gates (their own kernels)"
+    value_dim are the padded K and V. Per-head and absent gates take them broadcast over K."""
     if has_segments:
         return "segment_ids"
+    if exact_inter:
+        return ("mode 'fused_recurrent' (its backward's float32-accurate state products; modes "
+                "'chunk' and 'fused_chunk' take them)")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
     if key_dim not in MOSAIC_CHUNK_DIMS or value_dim not in MOSAIC_CHUNK_DIMS:
@@ -197,10 +199,12 @@ def mosaic_chunk_reason(*, per_head: bool, has_segments: bool, dtype, key_dim: i
     return None
 
 
-def mosaic_chunk(block_sizes: BlockSizes, interpret: bool, **problem) -> bool:
-    """Whether a chunked call (forward and backward) runs the pair-level Mosaic GPU kernels: only
-    when asked for ("auto" is Triton until they are faster at every gate)."""
-    if block_sizes.chunk_kernel == "auto":
+def mosaic_chunk(block_sizes: BlockSizes, interpret: bool, *, few_tokens: bool,
+                 **problem) -> bool:
+    """Whether a chunked call (forward and backward) runs the pair-level Mosaic GPU kernels
+    (backends.mosaic_gpu_selected: "auto" on a Hopper GPU outside interpret mode, "mosaic_gpu"
+    anywhere they apply). "auto" leaves a few tokens (decoding) to the token-by-token forward."""
+    if few_tokens and block_sizes.chunk_kernel == "auto":
         return False
     return mosaic_gpu_selected(block_sizes.chunk_kernel, mosaic_chunk_reason(**problem),
                                interpret, field="chunk_kernel")

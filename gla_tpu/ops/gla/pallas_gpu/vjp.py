@@ -106,7 +106,10 @@ _REVERSED = Pass(reverse=True, outputs=True, store_parts=1, state_term=True)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def mosaic_chunked(q, k, v, g, s0, geo, interpret):
     """(o [B, Tp, H, V], final state [B, H, K, V] float32) by the pair-level kernels, from inputs
-    padded as for `chunked` (per-key gates g [B, Tp, H, K] float32, no segments)."""
+    padded as for `chunked` (gates g [B, Tp, H, K] float32, no segments). Not differentiated,
+    per-head gates may run the one Mosaic GPU forward (geo.mosaic_forward)."""
+    if geo.mosaic_forward:
+        return forward_mosaic.forward(q, k, v, g[..., 0], s0, geo=geo, interpret=interpret)
     return _mosaic_forward(q, k, v, g, s0, geo, interpret, _INFERENCE)[0]
 
 
