@@ -157,6 +157,15 @@ def test_gpu_parity_bf16(case):
                      backend="pallas_gpu")
 
 
+# "auto" runs the pair-level Mosaic GPU kernels on Hopper wherever they apply; the chunked Triton
+# kernels (other GPUs, segment ids, float32) at both intra-chunk paths and K, V = 256, 512.
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3], GPU_CASES[6]], ids=str)
+def test_gpu_triton_parity_bf16(case):
+    check_gla_parity(case, jax.random.key(2), dtype=jnp.bfloat16, mode="chunk",
+                     backend="pallas_gpu", block_sizes=BlockSizes(chunk_kernel="triton"))
+
+
 # The Mosaic GPU forward ("auto" takes it on Hopper for a call that is not differentiated) at every
 # gate distribution of docs/gpu_backend.md, T up to 4096 and not a multiple of the chunk, K 64 and
 # 128, V up to 512, float16, initial states. These shapes have few blocks, so "auto" splits T

@@ -43,11 +43,16 @@ def test_scores_by_levels_match_the_direct_decay(strength):
 
 # Interpret mode runs the three kernels (prep, the state pass both ways, dq/dk/dg) with jnp.dot
 # for the tensor-core products: a partial last chunk, an initial state, two value tiles and very
-# strong gates (about -800 a token) in bfloat16; K 128 with fla's draw in float16.
+# strong gates (about -800 a token) in bfloat16; K 128 with fla's draw in float16; V = 300
+# (padded to 512: eight value tiles through the dq/dk/dg kernel's ring); K = 200 (padded to 256:
+# two groups of keys as virtual heads, outputs and dv summed over them).
 @pytest.mark.parametrize("case,dtype", [
     (GLACase(1, 130, 2, 64, 128, gate="key", gate_strength=1e-3, initial_state=True),
      jnp.bfloat16),
     (GLACase(1, 100, 1, 128, 64, gate="key", initial_state=True), jnp.float16),
+    (GLACase(1, 70, 1, 64, 300, gate="key", initial_state=True), jnp.bfloat16),
+    (GLACase(1, 70, 2, 200, 64, gate="key", gate_strength=16.0, initial_state=True),
+     jnp.bfloat16),
 ], ids=str)
 def test_interpret_parity(case, dtype):
     check_gla_parity(case, jax.random.key(5), dtype=dtype, backend="pallas_gpu", interpret=True,
@@ -66,8 +71,6 @@ def test_lowers_to_four_mosaic_kernels_and_no_triton():
 
 @pytest.mark.parametrize("mode,key_dim,value_dim,dtype,segments,match", [
     ("fused_recurrent", 64, 64, jnp.bfloat16, False, "fused_recurrent"),
-    ("chunk", 256, 64, jnp.bfloat16, False, "padded K = 256"),
-    ("chunk", 64, 512, jnp.bfloat16, False, "V = 512"),
     ("chunk", 64, 64, jnp.float32, False, "float32"),
     ("chunk", 64, 64, jnp.bfloat16, True, "segment_ids")])
 def test_refuses_what_it_cannot_take(mode, key_dim, value_dim, dtype, segments, match):
@@ -95,7 +98,8 @@ def test_interpret_parity_per_head_and_no_gate(case):
 
 # The gate distributions of docs/gpu_backend.md: logsigmoid(N(0,1)) (fla's benchmark draw), the
 # same / 16 (fla's GLA layer default), logsigmoid(N(0,1) - 3), and about -800 a token; T up to 4096
-# and not a multiple of the chunk, K and V 64 and 128, float16, initial states, T = 1.
+# and not a multiple of the chunk, K and V 64 and 128, float16, initial states, T = 1; K = 256 with
+# V = 512, and K = 512 (four groups of keys) with V = 192 at strong gates.
 GPU_CASES = [
     (GLACase(1, 4096, 2, 128, 128, gate="key"), jnp.bfloat16),
     (GLACase(1, 4096, 2, 128, 128, gate="key", gate_strength=16.0, initial_state=True),
@@ -106,6 +110,8 @@ GPU_CASES = [
     (GLACase(2, 1000, 3, 64, 128, gate="key", initial_state=True), jnp.float16),
     (GLACase(2, 777, 2, 100, 100, gate="key", gate_strength=16.0), jnp.bfloat16),
     (GLACase(3, 1, 2, 128, 128, gate="key", initial_state=True), jnp.bfloat16),
+    (GLACase(1, 2048, 2, 256, 512, gate="key", initial_state=True), jnp.bfloat16),
+    (GLACase(1, 1000, 2, 512, 192, gate="key", gate_strength=1e-3), jnp.bfloat16),
 ]
 
 

@@ -39,8 +39,9 @@ CAPABILITIES = Capabilities(
     dims=(("K", Dims(high=MAX_DIM)), ("V", Dims(high=MAX_DIM))),
     features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=(CHUNK,),
     notes="on Hopper, modes chunk and fused_chunk run pair-level Mosaic GPU kernels, forward "
-          "and backward incl. dg, one speed for every gate (16-bit, K, V <= 128, no segments; "
-          "per-head and no gates broadcast over K), and an undifferentiated call with per-head "
+          "and backward incl. dg, one speed for every gate (16-bit, no segments; K above 128 "
+          "as groups of 128 keys; per-head and no gates broadcast over K), and an "
+          "undifferentiated call with per-head "
           "or no gates one Mosaic GPU forward; elsewhere the chunked Triton kernels "
           "(fused_recurrent with float32-accurate state products in its backward); T <= 16 "
           "without segments: a token-by-token forward",
@@ -103,7 +104,12 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if use_mosaic_chunk:
             qp, kp_, gp, vpad = (pad_time(x, CHUNK) for x in (qp, kp_, gp, vpad))
+            # groups of keys as virtual heads [B, Tp, H * G, K / G] (zero-copy reshapes)
+            heads, keys = h * geo.key_groups, kp // geo.key_groups
+            qp, kp_, gp = (x.reshape(*x.shape[:2], heads, keys) for x in (qp, kp_, gp))
+            s0 = None if s0 is None else s0.reshape(b, heads, keys, vp)
             o, final = vjp.mosaic_chunked(qp, kp_, vpad, gp, s0, geo, bool(interpret))
+            final = final.reshape(b, h, kp, vp)
         elif few_tokens:
             o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
         else:

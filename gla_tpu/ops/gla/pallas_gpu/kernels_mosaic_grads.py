@@ -24,7 +24,8 @@ operands in three bfloat16 parts. The state term sum_V h_n dh_{n+1} comes from t
 pass (kernels_mosaic_state.py), which also computes dv.
 
 Shared memory: q, k, the gate parts and dA stay for the whole block; a pool of eight [64, 64]
-16-bit tiles holds v, do, h_n, dh_{n+1} (value tiles of 64) for the first products, then dA_L
+16-bit tiles holds v, do, h_n, dh_{n+1} (a ring of two stages over the value tiles of 64) for the
+first products, then dA_L
 and the level operands, and (bfloat16 inputs) the range matrix and the parts of the dg sums in its
 second half. 104 KiB with bfloat16 inputs: two blocks per SM (float16: four more bfloat16 tiles).
 """
@@ -65,7 +66,7 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     upper_rows,
 )
 
-VALUE_TILES = 2  # V up to 128, in tiles of 64 columns
+VALUE_TILES = 8  # V up to 512, in tiles of 64 columns (through a ring of two stages)
 POOL = 8  # [64, 64] tiles shared by the three phases
 
 
@@ -89,11 +90,14 @@ def _diagonal(x):
     return jnp.sum(jnp.where(r == c, x, 0.0), axis=1)
 
 
-def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret):
+def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret,
+                groups: int = 1):
     """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), g [B, Tp, H, K] float32 log gates, last
     [B, H, N, K] float32 (b at each chunk's last token), h_hi and dh [B, H, N, K, V] 16-bit (the
     state entering each chunk and the gradient of the state after it), term [B, H, N, K] float32
-    (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in q's dtype and dg [B, Tp, H, K] float32."""
+    (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in q's dtype and dg [B, Tp, H, K] float32.
+    With key groups (kernels_mosaic_state.Pass.groups), H counts virtual heads and v, do have
+    H / groups heads."""
     bsz, tp, h, kd = q.shape
     vd = v.shape[-1]
     c, dtype = CHUNK, q.dtype
@@ -105,7 +109,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     shape = (c, SLAB)
 
     def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, dq_ref,
-             dk_ref, dg_ref, q_s, k_s, parts, da_s, pool, vecs, loaded, *own_bf16):
+             dk_ref, dg_ref, q_s, k_s, parts, da_s, pool, vecs, loaded, tile_loaded,
+             *own_bf16):
         # bfloat16 tiles: the range matrix and the parts of the dg sums; within the pool (its
         # value-tile half, free after the first products) for bfloat16 inputs
         bpool = own_bf16[0] if own_bf16 else pool.at[4:8]
@@ -113,32 +118,40 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         chunk, slab = lax.div(flat, jnp.int32(slabs)), lax.rem(flat, jnp.int32(slabs))
         kcols = pl.ds(slab * SLAB, SLAB)
         tokens = (batch, pl.ds(chunk * c, c), head)
-        # pool roles, first products: v, do, h_n, dh_{n+1} by value tile
-        v_t, do_t = pool.at[0:vtiles], pool.at[2:2 + vtiles]
-        h_t, dh_t = pool.at[4:4 + vtiles], pool.at[6:6 + vtiles]
-        copies = [(q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
-                  (last_ref.at[batch, head, chunk, kcols], vecs.at[0]),
-                  (term_ref.at[batch, head, chunk, kcols], vecs.at[1])]
-        for j in range(vtiles):
-            vcols = pl.ds(j * SLAB, SLAB)
-            copies += [(v_ref.at[tokens + (vcols,)], v_t.at[j]),
-                       (do_ref.at[tokens + (vcols,)], do_t.at[j]),
-                       (h_ref.at[batch, head, chunk, kcols, vcols], h_t.at[j]),
-                       (dh_ref.at[batch, head, chunk, kcols, vcols], dh_t.at[j])]
-        for src, dst in copies:
+        for src, dst in ((q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
+                         (last_ref.at[batch, head, chunk, kcols], vecs.at[0]),
+                         (term_ref.at[batch, head, chunk, kcols], vecs.at[1])):
             plgpu.copy_gmem_to_smem(src, dst, loaded)
+
+        # value tile j's v, do, h_n and dh_{n+1} [64, 64] into stage j % 2 of the pool's ring
+        def load_tile(j):
+            stage, vcols = j % 2, pl.ds(j * SLAB, SLAB)
+            vtokens = (batch, pl.ds(chunk * c, c), head // groups, vcols)
+            for i, src in enumerate((v_ref.at[vtokens], do_ref.at[vtokens],
+                                     h_ref.at[batch, head, chunk, kcols, vcols],
+                                     dh_ref.at[batch, head, chunk, kcols, vcols])):
+                plgpu.copy_gmem_to_smem(src, pool.at[4 * stage + i], tile_loaded.at[stage])
+
+        for j in range(min(vtiles, 2)):
+            load_tile(j)
         store_gate_parts(g_ref.at[tokens + (kcols,)], parts, 1)
         plgpu.barrier_wait(loaded)
 
-        # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T
-        tiles = range(vtiles)
-        da = matmul([(do_t.at[j], T(v_t.at[j])) for j in tiles], (c, c), interpret=interpret)
+        # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T, summed over value tiles
+        da = q_inter = k_inter = None
+        for j in range(vtiles):
+            v_j, do_j, h_j, dh_j = (pool.at[4 * (j % 2) + i] for i in range(4))
+            plgpu.barrier_wait(tile_loaded.at[j % 2])
+            da = matmul([(do_j, T(v_j))], (c, c), interpret=interpret, init=da)
+            q_inter = matmul([(do_j, T(h_j))], shape, interpret=interpret, init=q_inter)
+            k_inter = matmul([(v_j, T(dh_j))], shape, interpret=interpret, init=k_inter)
+            if j + 2 < vtiles:
+                operands_released(interpret=interpret)  # stage j % 2 is read
+                load_tile(j + 2)
         r, x = iota((c, c), 0), iota((c, c), 1)
         da = jnp.where(r >= x, da * scale, 0.0)
         diag = rows(_diagonal(da), shape)
         da_s[...] = da.astype(dtype)
-        q_inter = matmul([(do_t.at[j], T(h_t.at[j])) for j in tiles], shape, interpret=interpret)
-        k_inter = matmul([(v_t.at[j], T(dh_t.at[j])) for j in tiles], shape, interpret=interpret)
 
         # the inter-chunk parts, weighted by exp(b) and exp(b_last - b)
         ranges = bpool.at[3]
@@ -216,7 +229,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
         plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
         plgpu.SMEM((2, SLAB), F32),  # b_last, the state term
-        plgpu.Barrier(num_arrivals=4 + 4 * vtiles),
+        plgpu.Barrier(num_arrivals=4),  # q, k, b_last, the state term
+        plgpu.Barrier(num_arrivals=4, num_barriers=2),  # a value tile's four, per ring stage
     ]
     if dtype != BF16:
         scratch.append(plgpu.SMEM((4, c, SLAB), BF16, transforms=SWIZZLED))

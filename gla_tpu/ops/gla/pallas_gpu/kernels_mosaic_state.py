@@ -53,6 +53,10 @@ class Pass:
     state_term: bool  # sum_V h_n S per chunk from the forward's stored parts (reverse only)
     chunk: int = 64
     stages: int = 2
+    # key groups: x, w, decay, the states and out run over H * groups virtual heads of K / groups
+    # keys each, y over the H heads (head // groups); out is then float32, one partial sum per
+    # group, summed by the caller (vjp.py)
+    groups: int = 1
 
 
 def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interpret):
@@ -70,6 +74,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     if tp % c or vd % BLOCK_V:
         raise ValueError(f"padded T={tp} and V={vd} must be multiples of {c}, {BLOCK_V}")
     has_s0 = s0 is not None
+    out_dtype = F32 if p.groups > 1 else dtype
 
     def body(*refs):
         refs = list(refs)
@@ -139,7 +144,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     plgpu.commit_smem()  # before the TMA unit refills the slot
                 plgpu.barrier_arrive(scratch["free"].at[slot])
                 if p.outputs:
-                    scratch["o"][...] = o.astype(dtype)
+                    scratch["o"][...] = o.astype(out_dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
                         scratch["o"],
@@ -161,7 +166,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                 tokens = pl.ds(chunk * c, c)
                 ready = scratch["ready"].at[slot]
                 copies = [(x_ref.at[batch, tokens, head], scratch["x"]),
-                          (y_ref.at[batch, tokens, head, vcols], scratch["y"]),
+                          (y_ref.at[batch, tokens, head // p.groups, vcols], scratch["y"]),
                           (decay_ref.at[batch, head, chunk], scratch["decay"])]
                 if p.outputs:
                     copies += [(w_ref.at[batch, tokens, head], scratch["w"]),
@@ -183,7 +188,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     if p.outputs:
         scratch_types["w"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
         scratch_types["a"] = plgpu.SMEM((stages, c, c), dtype, **tiled)
-        scratch_types["o"] = plgpu.SMEM((c, BLOCK_V), dtype, **tiled)
+        scratch_types["o"] = (plgpu.SMEM((c, BLOCK_V), F32) if p.groups > 1 else
+                              plgpu.SMEM((c, BLOCK_V), dtype, **tiled))
     if p.state_term:
         for name in ("h_hi", "h_lo"):
             scratch_types[name] = plgpu.SMEM((stages, kd, BLOCK_V), dtype, **tiled)
@@ -198,7 +204,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     scratch_names = list(scratch_types)
 
     parts_type = jax.ShapeDtypeStruct((bsz, h, n, kd, vd), dtype)
-    out_type = ([jax.ShapeDtypeStruct((bsz, tp, h, vd), dtype)] if p.outputs else [])
+    out_type = ([jax.ShapeDtypeStruct((bsz, tp, h, vd), out_dtype)] if p.outputs else [])
     out_type += [parts_type] * p.store_parts
     if p.state_term:
         out_type.append(jax.ShapeDtypeStruct((bsz, h, n, vd // BLOCK_V, kd), F32))

@@ -107,8 +107,10 @@ class ChunkGeometry:
     # this many segments of T side by side (forward_mosaic.py)
     mosaic_forward: bool = False
     mosaic_splits: int = 1
-    # per-key gates run the pair-level Mosaic GPU kernels, forward and backward (mosaic_chunk)
+    # per-key gates run the pair-level Mosaic GPU kernels, forward and backward (mosaic_chunk),
+    # on key_groups groups of at most MOSAIC_GROUP_KEYS keys each
     mosaic_chunk: bool = False
+    key_groups: int = 1
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -144,6 +146,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
         exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
         mosaic_splits=splits, mosaic_chunk=mosaic_chunk,
+        key_groups=max(1, key_dim // MOSAIC_GROUP_KEYS) if mosaic_chunk else 1,
     )
 
 
@@ -180,7 +183,11 @@ def mosaic_forward(block_sizes: BlockSizes, interpret: bool, **problem) -> bool:
                                interpret)
 
 
-MOSAIC_CHUNK_DIMS = (64, 128)  # padded K and V the pair-level kernels take (shared memory)
+MOSAIC_CHUNK_KEY_DIMS = (64, 128, 256, 512)  # padded K the pair-level kernels take
+MOSAIC_CHUNK_VALUE_DIMS = (64, 128, 256, 512)  # padded V
+# keys per state tile of the pair-level kernels (registers); a larger K runs as K / 128 groups of
+# keys, virtual heads whose outputs are summed (vjp.mosaic_chunked)
+MOSAIC_GROUP_KEYS = 128
 
 
 def mosaic_chunk_reason(*, has_segments: bool, dtype, key_dim: int, value_dim: int,
@@ -194,8 +201,9 @@ def mosaic_chunk_reason(*, has_segments: bool, dtype, key_dim: int, value_dim: i
                 "'chunk' and 'fused_chunk' take them)")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
-    if key_dim not in MOSAIC_CHUNK_DIMS or value_dim not in MOSAIC_CHUNK_DIMS:
-        return f"padded K = {key_dim}, V = {value_dim} (it takes {MOSAIC_CHUNK_DIMS})"
+    if key_dim not in MOSAIC_CHUNK_KEY_DIMS or value_dim not in MOSAIC_CHUNK_VALUE_DIMS:
+        return (f"padded K = {key_dim}, V = {value_dim} (it takes K in {MOSAIC_CHUNK_KEY_DIMS}, "
+                f"V in {MOSAIC_CHUNK_VALUE_DIMS})")
     return None
 
 

@@ -10,6 +10,7 @@ token-by-token forward (decoding) with the chunked backward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -105,20 +106,31 @@ _REVERSED = Pass(reverse=True, outputs=True, store_parts=1, state_term=True)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def mosaic_chunked(q, k, v, g, s0, geo, interpret):
-    """(o [B, Tp, H, V], final state [B, H, K, V] float32) by the pair-level kernels, from inputs
-    padded as for `chunked` (gates g [B, Tp, H, K] float32, no segments). Not differentiated,
-    per-head gates may run the one Mosaic GPU forward (geo.mosaic_forward)."""
+    """(o [B, Tp, H, V], final state [B, H * G, K / G, V] float32) by the pair-level kernels,
+    from inputs padded as for `chunked` (gates float32, no segments). q, k, g [B, Tp, H * G,
+    K / G] hold G = geo.key_groups groups of keys as virtual heads (state rows are separable by
+    key: o sums the groups' outputs); v [B, Tp, H, V]. Not differentiated, per-head gates may run
+    the one Mosaic GPU forward (geo.mosaic_forward, G = 1)."""
     if geo.mosaic_forward:
         return forward_mosaic.forward(q, k, v, g[..., 0], s0, geo=geo, interpret=interpret)
     return _mosaic_forward(q, k, v, g, s0, geo, interpret, _INFERENCE)[0]
 
 
+def _sum_groups(x, groups: int, dtype):
+    """x [B, Tp, H * groups, V] float32 partial sums of the key groups -> [B, Tp, H, V] dtype."""
+    if groups == 1:
+        return x
+    b, t, hg, v = x.shape
+    return jnp.sum(x.reshape(b, t, hg // groups, groups, v), axis=3).astype(dtype)
+
+
 def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
     # last: b at each chunk's last token, [B, H, N, K] float32
     a, qd, kd, last = kernels_mosaic_levels.prep(q, k, g, scale=geo.scale, interpret=interpret)
-    o, *parts, final = kernels_mosaic_state.state_pass(kd, v, last, s0, w=qd, a=a, p=p,
-                                                       interpret=interpret)
-    return (o, final), (a, qd, kd, last, *parts)
+    o, *parts, final = kernels_mosaic_state.state_pass(
+        kd, v, last, s0, w=qd, a=a, p=dataclasses.replace(p, groups=geo.key_groups),
+        interpret=interpret)
+    return (_sum_groups(o, geo.key_groups, v.dtype), final), (a, qd, kd, last, *parts)
 
 
 def _mosaic_fwd(q, k, v, g, s0, geo, interpret):
@@ -130,13 +142,14 @@ def _mosaic_bwd(geo, interpret, residuals, cotangents):
     q, k, v, g, s0, a, qd, kd, last, h_hi, h_lo = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
+    groups = geo.key_groups
     dv, dh, term, ds0 = kernels_mosaic_state.state_pass(
-        qd, do, last, dfinal.astype(jnp.float32), w=kd, a=a, h_parts=(h_hi, h_lo), p=_REVERSED,
-        interpret=interpret)
+        qd, do, last, dfinal.astype(jnp.float32), w=kd, a=a, h_parts=(h_hi, h_lo),
+        p=dataclasses.replace(_REVERSED, groups=groups), interpret=interpret)
     dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh,
                                                   jnp.sum(term, axis=3), scale=geo.scale,
-                                                  interpret=interpret)
-    return dq, dk, dv, dg, None if s0 is None else ds0
+                                                  interpret=interpret, groups=groups)
+    return dq, dk, _sum_groups(dv, groups, v.dtype), dg, None if s0 is None else ds0
 
 
 mosaic_chunked.defvjp(_mosaic_fwd, _mosaic_bwd)
