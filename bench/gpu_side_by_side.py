@@ -85,6 +85,7 @@ class Context:
     seed: int = 0
     path: str | None = None  # JSON rewritten after every record, so a cut-off run keeps its data
     peers_only: bool = False  # GLA: time the peers only (ours still runs once, for the check)
+    with_triton: bool = False  # GLA: also time our chunked Triton kernels
 
 
 def rel_err(a, b) -> float:
@@ -293,8 +294,8 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
         if per_head:  # "auto" takes the Mosaic GPU forward on Hopper; Triton's for comparison
             jax_impl("ours_chunk_triton_fwd", ours_gla("chunk", forward_kernel="triton"),
                      modes=[m for m in modes if m == "fwd"])
-        elif kd <= 128 and vd <= 128:  # the pair-level Mosaic GPU kernels (opt-in, Hopper)
-            jax_impl("ours_chunk_pair_levels", ours_gla("chunk", chunk_kernel="mosaic_gpu"))
+        if ctx.with_triton:  # "auto" runs the pair-level Mosaic GPU kernels on Hopper
+            jax_impl("ours_chunk_triton", ours_gla("chunk", chunk_kernel="triton"))
     if op == "gla":  # jla's GLA takes per-key gates only
         jax_impl("jla_mosaic_gpu", jla_gla)
 
@@ -471,6 +472,8 @@ def main(argv=None):
                         help="comma-separated T values for the crossover (default: CROSSOVER_T)")
     parser.add_argument("--peers-only", action="store_true",
                         help="GLA: time only the peers (ours runs once for the numerics check)")
+    parser.add_argument("--with-triton", action="store_true",
+                        help="GLA: also time our chunked Triton kernels (chunk_kernel='triton')")
     parser.add_argument("--no-fla-recurrent", action="store_true",
                         help="GLA: leave out fla's fused_recurrent_gla (50-100 ms a step)")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
@@ -483,7 +486,7 @@ def main(argv=None):
     env = environment()
     env["versions"] = versions()
     ctx = Context(env=env, records=[], path=os.path.join(args.out, f"{args.tag}.json"),
-                  peers_only=args.peers_only)
+                  peers_only=args.peers_only, with_triton=args.with_triton)
     for part in args.part:
         try:
             if part == "attention":

@@ -110,7 +110,7 @@ GPU_CASES = [
     (GLACase(2, 1000, 3, 64, 128, gate="key", initial_state=True), jnp.float16),
     (GLACase(2, 777, 2, 100, 100, gate="key", gate_strength=16.0), jnp.bfloat16),
     (GLACase(3, 1, 2, 128, 128, gate="key", initial_state=True), jnp.bfloat16),
-    (GLACase(1, 2048, 2, 256, 512, gate="key", initial_state=True), jnp.bfloat16),
+    (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True), jnp.bfloat16),
     (GLACase(1, 1000, 2, 512, 192, gate="key", gate_strength=1e-3), jnp.bfloat16),
 ]
 
