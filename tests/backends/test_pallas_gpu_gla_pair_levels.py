@@ -60,13 +60,16 @@ def test_interpret_parity(case, dtype):
 
 
 # forward: prep and the state pass; backward: the reversed state pass and dq/dk/dg (the forward
-# of a differentiated call keeps the states)
-def test_lowers_to_four_mosaic_kernels_and_no_triton():
+# of a differentiated call keeps the states); split in time, a states-only pass before each state
+# pass
+@pytest.mark.parametrize("splits,expected", [(1, ((2, 0), (4, 0))), (4, ((3, 0), (6, 0)))])
+def test_lowers_to_mosaic_kernels_and_no_triton(splits, expected):
     q = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((2, 1000, 2, 64), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.float32)
     s0 = jax.ShapeDtypeStruct((2, 2, 128, 64), jnp.float32)
-    assert gla_lowered_kernels(PAIR_LEVELS, q, v, g, s0) == ((2, 0), (4, 0))
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=splits)
+    assert gla_lowered_kernels(sizes, q, v, g, s0) == expected
 
 
 @pytest.mark.parametrize("mode,key_dim,value_dim,dtype,segments,match", [
@@ -83,6 +86,15 @@ def test_refuses_what_it_cannot_take(mode, key_dim, value_dim, dtype, segments, 
                 block_sizes=PAIR_LEVELS)
     with pytest.raises(ValueError, match="chunk_kernel"):
         BlockSizes(chunk_kernel="cuda")
+
+
+# The state passes split in time (segments side by side, a scan of their states between the two
+# passes), forward and reversed, with an initial state and a partial last segment.
+def test_interpret_parity_time_splits():
+    case = GLACase(1, 300, 2, 64, 64, gate="key", initial_state=True)
+    check_gla_parity(case, jax.random.key(8), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     interpret=True,
+                     block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=2))
 
 
 # Per-head and absent gates train on the same kernels, broadcast over K (dg summed back over K by

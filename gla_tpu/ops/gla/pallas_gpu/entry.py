@@ -103,7 +103,8 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
                          heads=h, block_sizes=block_sizes)
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if use_mosaic_chunk:
-            qp, kp_, gp, vpad = (pad_time(x, CHUNK) for x in (qp, kp_, gp, vpad))
+            qp, kp_, gp, vpad = (pad_time(x, CHUNK * geo.mosaic_splits)
+                                 for x in (qp, kp_, gp, vpad))
             # groups of keys as virtual heads [B, Tp, H * G, K / G] (zero-copy reshapes)
             heads, keys = h * geo.key_groups, kp // geo.key_groups
             qp, kp_, gp = (x.reshape(*x.shape[:2], heads, keys) for x in (qp, kp_, gp))

@@ -93,8 +93,8 @@ def _diagonal(x):
 def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret,
                 groups: int = 1):
     """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), g [B, Tp, H, K] float32 log gates, last
-    [B, H, N, K] float32 (b at each chunk's last token), h_hi and dh [B, H, N, K, V] 16-bit (the
-    state entering each chunk and the gradient of the state after it), term [B, H, N, K] float32
+    [B, N, H, K] float32 (b at each chunk's last token), h_hi and dh [B, N, H, K, V] 16-bit (the
+    state entering each chunk and the gradient of the state after it), term [B, N, H, K] float32
     (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in q's dtype and dg [B, Tp, H, K] float32.
     With key groups (kernels_mosaic_state.Pass.groups), H counts virtual heads and v, do have
     H / groups heads."""
@@ -119,8 +119,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         kcols = pl.ds(slab * SLAB, SLAB)
         tokens = (batch, pl.ds(chunk * c, c), head)
         for src, dst in ((q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
-                         (last_ref.at[batch, head, chunk, kcols], vecs.at[0]),
-                         (term_ref.at[batch, head, chunk, kcols], vecs.at[1])):
+                         (last_ref.at[batch, chunk, head, kcols], vecs.at[0]),
+                         (term_ref.at[batch, chunk, head, kcols], vecs.at[1])):
             plgpu.copy_gmem_to_smem(src, dst, loaded)
 
         # value tile j's v, do, h_n and dh_{n+1} [64, 64] into stage j % 2 of the pool's ring
@@ -128,8 +128,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
             stage, vcols = j % 2, pl.ds(j * SLAB, SLAB)
             vtokens = (batch, pl.ds(chunk * c, c), head // groups, vcols)
             for i, src in enumerate((v_ref.at[vtokens], do_ref.at[vtokens],
-                                     h_ref.at[batch, head, chunk, kcols, vcols],
-                                     dh_ref.at[batch, head, chunk, kcols, vcols])):
+                                     h_ref.at[batch, chunk, head, kcols, vcols],
+                                     dh_ref.at[batch, chunk, head, kcols, vcols])):
                 plgpu.copy_gmem_to_smem(src, pool.at[4 * stage + i], tile_loaded.at[stage])
 
         for j in range(min(vtiles, 2)):

@@ -21,7 +21,7 @@ themselves: no cumulative sum precedes them.
     qd    = scale * q * exp(b),   kd = k * exp(b_last - b)                            [C, K]
     last  = b_last                                                                    [K]
 
-A [B, H, Tp, C], qd and kd [B, Tp, H, K] in the input dtype and last [B, H, N, K] float32 feed
+A [B, Tp, H, C], qd and kd [B, Tp, H, K] in the input dtype and last [B, N, H, K] float32 feed
 the chunk-serial state pass (kernels_mosaic_state.py). One block per (chunk, head, batch), one
 warpgroup; key columns in slabs of 64 (the registers a slab's factors need).
 """
@@ -201,7 +201,7 @@ def level_operands(q, k, factor, upper, dtype):
 
 def prep(q, k, g, *, scale: float, interpret):
     """q, k [B, Tp, H, K] (16-bit, Tp a multiple of 64, K a multiple of 64), g [B, Tp, H, K]
-    float32 log gates -> (A [B, H, Tp, C], qd, kd [B, Tp, H, K] in q's dtype, last [B, H, N, K]
+    float32 log gates -> (A [B, Tp, H, C], qd, kd [B, Tp, H, K] in q's dtype, last [B, N, H, K]
     float32): see the module docstring."""
     bsz, tp, h, kd = q.shape
     c, dtype = CHUNK, q.dtype
@@ -257,7 +257,7 @@ def prep(q, k, g, *, scale: float, interpret):
             stage[...] = b
             q_smem.at[:, span][...] = qd.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, head, chunk, span])
+            plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, chunk, head, span])
         operands_released(interpret=interpret)
         ranges[...] = range_matrix(*suffix_range(c), c)
         plgpu.commit_smem()
@@ -267,7 +267,7 @@ def prep(q, k, g, *, scale: float, interpret):
             k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp(rest)).astype(dtype)
         kops.at[0][...] = scores.astype(dtype)  # A (C = SLAB)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(kops.at[0], a_ref.at[batch, head, pl.ds(chunk * c, c)])
+        plgpu.copy_smem_to_gmem(kops.at[0], a_ref.at[tokens])
         plgpu.copy_smem_to_gmem(q_smem, qd_ref.at[tokens])
         plgpu.copy_smem_to_gmem(k_smem, kd_ref.at[tokens])
         plgpu.wait_smem_to_gmem(0)
@@ -284,8 +284,8 @@ def prep(q, k, g, *, scale: float, interpret):
     token_type = jax.ShapeDtypeStruct(q.shape, dtype)
     kernel = plgpu.kernel(
         body,
-        out_type=[jax.ShapeDtypeStruct((bsz, h, tp, c), dtype), token_type, token_type,
-                  jax.ShapeDtypeStruct((bsz, h, n, kd), F32)],
+        out_type=[jax.ShapeDtypeStruct((bsz, tp, h, c), dtype), token_type, token_type,
+                  jax.ShapeDtypeStruct((bsz, n, h, kd), F32)],
         scratch_types=scratch,
         grid=(n, h, bsz),
         grid_names=("chunk", "head", "batch"),

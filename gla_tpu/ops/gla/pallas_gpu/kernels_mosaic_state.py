@@ -60,12 +60,13 @@ class Pass:
 
 
 def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interpret):
-    """x [B, Tp, H, K], y [B, Tp, H, V] (16-bit), decay [B, H, N, K] float32 (b_last per chunk),
-    s0 [B, H, K, V] float32 or None, w [B, Tp, H, K] and a [B, H, Tp, C] (p.outputs), h_parts
-    (two [B, H, N, K, V] 16-bit arrays, p.state_term).
+    """x [B, Tp, H, K], y [B, Tp, H, V] (16-bit), decay [B, N, H, K] float32 (b_last per chunk),
+    s0 [B, H, K, V] float32 or None, w [B, Tp, H, K] and a [B, Tp, H, C] (p.outputs), h_parts
+    (two [B, N, H, K, V] 16-bit arrays, p.state_term). Every per-chunk array is chunk-major, so
+    that segments of T fold into the batch by reshapes (vjp.py).
 
     Returns, in this order, what `p` asks for: out [B, Tp, H, V] (outputs), the stored parts of S
-    per chunk ([B, H, N, K, V] each), the state term [B, H, N, V / BLOCK_V, K] float32 (per value
+    per chunk ([B, N, H, K, V] each), the state term [B, N, H, V / BLOCK_V, K] float32 (per value
     tile; the caller sums the tiles), and the last state [B, H, K, V] float32."""
     bsz, tp, h, kd = x.shape
     vd = y.shape[-1]
@@ -120,7 +121,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                         parts.append(scratch["st_lo"])
                     plgpu.commit_smem()
                 for part, part_ref in zip(parts[:p.store_parts], part_refs):
-                    plgpu.copy_smem_to_gmem(part, part_ref.at[batch, head, chunk, :, vcols],
+                    plgpu.copy_smem_to_gmem(part, part_ref.at[batch, chunk, head, :, vcols],
                                             commit_group=False)
                 if p.state_term:
                     h_full = sum(plgpu.load(hp.at[slot], layout=plgpu.Layout.WGMMA).astype(F32)
@@ -128,7 +129,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     scratch["term"][...] = jnp.sum(h_full * state, axis=1)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(scratch["term"],
-                                            term_ref.at[batch, head, chunk, tile],
+                                            term_ref.at[batch, chunk, head, tile],
                                             commit_group=False)
                 decay = plgpu.load(scratch["decay"].at[slot], layout=ROW)
                 decayed = state * rows(jnp.exp(decay), state.shape)
@@ -167,12 +168,12 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                 ready = scratch["ready"].at[slot]
                 copies = [(x_ref.at[batch, tokens, head], scratch["x"]),
                           (y_ref.at[batch, tokens, head // p.groups, vcols], scratch["y"]),
-                          (decay_ref.at[batch, head, chunk], scratch["decay"])]
+                          (decay_ref.at[batch, chunk, head], scratch["decay"])]
                 if p.outputs:
                     copies += [(w_ref.at[batch, tokens, head], scratch["w"]),
-                               (a_ref.at[batch, head, tokens], scratch["a"])]
+                               (a_ref.at[batch, tokens, head], scratch["a"])]
                 if p.state_term:
-                    copies += [(hp.at[batch, head, chunk, :, vcols], scratch[name])
+                    copies += [(hp.at[batch, chunk, head, :, vcols], scratch[name])
                                for hp, name in zip(hp_refs, ("h_hi", "h_lo"))]
                 for src, dst in copies:
                     plgpu.copy_gmem_to_smem(src, dst.at[slot], ready)
@@ -203,11 +204,11 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     scratch_types["free"] = plgpu.Barrier(num_barriers=stages)
     scratch_names = list(scratch_types)
 
-    parts_type = jax.ShapeDtypeStruct((bsz, h, n, kd, vd), dtype)
+    parts_type = jax.ShapeDtypeStruct((bsz, n, h, kd, vd), dtype)
     out_type = ([jax.ShapeDtypeStruct((bsz, tp, h, vd), out_dtype)] if p.outputs else [])
     out_type += [parts_type] * p.store_parts
     if p.state_term:
-        out_type.append(jax.ShapeDtypeStruct((bsz, h, n, vd // BLOCK_V, kd), F32))
+        out_type.append(jax.ShapeDtypeStruct((bsz, n, h, vd // BLOCK_V, kd), F32))
     out_type.append(jax.ShapeDtypeStruct((bsz, h, kd, vd), F32))
     name = "gla_dstate_mosaic" if p.reverse else "gla_state_mosaic"
     kernel = plgpu.kernel(

@@ -37,8 +37,8 @@ class BlockSizes:
         none: "mosaic_gpu" (kernels_mosaic_forward.py, one kernel over the chunks in order),
         "triton" (the chunked kernels), or "auto": Mosaic GPU on a Hopper GPU where it applies
         (mosaic_forward_reason), else Triton. Training always runs the chunked kernels.
-      mosaic_time_splits: segments of T the Mosaic GPU forward runs side by side (a power of
-        two; None: `mosaic_time_splits`, from the GPU's SM count).
+      mosaic_time_splits: segments of T the Mosaic GPU forward and the pair-level state passes
+        run side by side (a power of two; None: `mosaic_time_splits`, from the GPU's SM count).
       chunk_kernel: the kernels of a chunked call, forward and backward: "mosaic_gpu" (the
         pair-level kernels on a Hopper GPU: kernels_mosaic_levels.py, kernels_mosaic_state.py,
         kernels_mosaic_grads.py; one speed for every gate, where mosaic_chunk_reason allows;
@@ -103,8 +103,9 @@ class ChunkGeometry:
     # one gate per head and token (or none): the intra-chunk decay exp(b_r - b_x) is one number
     # per pair, applied to the [C, C] product (kernels_intra.py)
     per_head: bool = False
-    # the undifferentiated forward runs kernels_mosaic_forward.py (plan.mosaic_forward), on
-    # this many segments of T side by side (forward_mosaic.py)
+    # the undifferentiated forward runs kernels_mosaic_forward.py (plan.mosaic_forward), and the
+    # pair-level state passes run (vjp.py), on this many segments of T side by side
+    # (forward_mosaic.py)
     mosaic_forward: bool = False
     mosaic_splits: int = 1
     # per-key gates run the pair-level Mosaic GPU kernels, forward and backward (mosaic_chunk),
@@ -136,9 +137,10 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
     block_v = min(block_sizes.block_v or value_block(value_dim), value_dim)
     num_chunks = -(-padded_len // CHUNK)
     splits = 1
-    if mosaic_forward:
+    groups = max(1, key_dim // MOSAIC_GROUP_KEYS) if mosaic_chunk else 1
+    if mosaic_forward or mosaic_chunk:
         splits = block_sizes.mosaic_time_splits or mosaic_time_splits(
-            batch * heads * (value_dim // MOSAIC_BLOCK_V), num_chunks)
+            batch * heads * groups * (value_dim // MOSAIC_BLOCK_V), num_chunks)
     return ChunkGeometry(
         chunk=CHUNK, block_k=BLOCK_K, block_v=block_v, key_dim=key_dim,
         value_dim=value_dim, num_chunks=num_chunks, scale=scale,
@@ -146,7 +148,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
         exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
         mosaic_splits=splits, mosaic_chunk=mosaic_chunk,
-        key_groups=max(1, key_dim // MOSAIC_GROUP_KEYS) if mosaic_chunk else 1,
+        key_groups=groups,
     )
 
 

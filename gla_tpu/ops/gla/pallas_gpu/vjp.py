@@ -124,12 +124,62 @@ def _sum_groups(x, groups: int, dtype):
     return jnp.sum(x.reshape(b, t, hg // groups, groups, v), axis=3).astype(dtype)
 
 
+def _fold(x, splits: int):
+    """[B, P * L, ...] -> [B * P, L, ...]: P segments of the time (or chunk) axis as batch rows."""
+    return x.reshape(x.shape[0] * splits, x.shape[1] // splits, *x.shape[2:])
+
+
+def _unfold(x, splits: int):
+    return x.reshape(x.shape[0] // splits, x.shape[1] * splits, *x.shape[2:])
+
+
+def _segment_starts(local, last, start, splits: int, *, reverse: bool):
+    """The state each of P segments starts from, [B * P, H, K, V] float32: local [B * P, H, K, V]
+    the segments' states from zero, last [B, N, H, K] the chunk decays, start [B, H, K, V] the
+    state entering the first segment (reverse: the gradient arriving after the last one).
+    S_in(p + 1) = exp(G(p)) S_in(p) + local(p), G(p) the segment's decay per key (<= 0)."""
+    b, n, h, kd = last.shape
+    decay = jnp.exp(jnp.sum(last.reshape(b, splits, n // splits, h, kd), axis=2))  # [B, P, H, K]
+    local = local.reshape(b, splits, *local.shape[1:])
+
+    def carry(s_in, segment):
+        seg_decay, seg_state = segment  # [B, H, K], [B, H, K, V]
+        return seg_decay[..., None] * s_in + seg_state, s_in
+
+    _, s_in = lax.scan(carry, start, (jnp.moveaxis(decay, 1, 0), jnp.moveaxis(local, 1, 0)),
+                       reverse=reverse)  # [P, B, H, K, V]
+    return jnp.moveaxis(s_in, 0, 1).reshape(b * splits, *start.shape[1:])
+
+
+def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, p, splits, interpret):
+    """kernels_mosaic_state.state_pass over P segments of T side by side (more blocks where B H
+    V / 64 cannot fill the GPU): a states-only pass from zero per segment, a scan of those into
+    each segment's starting state, then the full pass; forward_mosaic.py does the same for the
+    per-head forward. Returns what state_pass returns, the last state that of the whole T."""
+    if splits == 1:
+        return kernels_mosaic_state.state_pass(x, y, last, s0, w=w, a=a, h_parts=h_parts, p=p,
+                                               interpret=interpret)
+    bsz, h, kd, vd = x.shape[0], x.shape[2], x.shape[3], y.shape[3]
+    fold = functools.partial(_fold, splits=splits)
+    states_only = dataclasses.replace(p, outputs=False, store_parts=0, state_term=False)
+    local = kernels_mosaic_state.state_pass(fold(x), fold(y), fold(last), None, p=states_only,
+                                            interpret=interpret)[-1]
+    start = jnp.zeros((bsz, h, kd, vd), jnp.float32) if s0 is None else s0
+    s_in = _segment_starts(local, last, start, splits, reverse=p.reverse)
+    h_parts = None if h_parts is None else tuple(fold(x) for x in h_parts)
+    *outs, final = kernels_mosaic_state.state_pass(fold(x), fold(y), fold(last), s_in, w=fold(w),
+                                                   a=fold(a), h_parts=h_parts, p=p,
+                                                   interpret=interpret)
+    final = final.reshape(bsz, splits, *final.shape[1:])[:, 0 if p.reverse else -1]
+    return [_unfold(out, splits) for out in outs] + [final]
+
+
 def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
-    # last: b at each chunk's last token, [B, H, N, K] float32
+    # last: b at each chunk's last token, [B, N, H, K] float32
     a, qd, kd, last = kernels_mosaic_levels.prep(q, k, g, scale=geo.scale, interpret=interpret)
-    o, *parts, final = kernels_mosaic_state.state_pass(
+    o, *parts, final = _state_pass_split(
         kd, v, last, s0, w=qd, a=a, p=dataclasses.replace(p, groups=geo.key_groups),
-        interpret=interpret)
+        splits=geo.mosaic_splits, interpret=interpret)
     return (_sum_groups(o, geo.key_groups, v.dtype), final), (a, qd, kd, last, *parts)
 
 
@@ -143,9 +193,10 @@ def _mosaic_bwd(geo, interpret, residuals, cotangents):
     do, dfinal = cotangents
     do = do.astype(v.dtype)
     groups = geo.key_groups
-    dv, dh, term, ds0 = kernels_mosaic_state.state_pass(
+    dv, dh, term, ds0 = _state_pass_split(
         qd, do, last, dfinal.astype(jnp.float32), w=kd, a=a, h_parts=(h_hi, h_lo),
-        p=dataclasses.replace(_REVERSED, groups=groups), interpret=interpret)
+        p=dataclasses.replace(_REVERSED, groups=groups), splits=geo.mosaic_splits,
+        interpret=interpret)
     dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh,
                                                   jnp.sum(term, axis=3), scale=geo.scale,
                                                   interpret=interpret, groups=groups)
