@@ -56,11 +56,12 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     level_range,
     matmul,
     operands_released,
+    at_or_after_range,
+    before_range,
     prefix_range,
-    range_matrix,
     range_sums,
-    row_index,
     rows,
+    set_ranges,
     store_gate_parts,
     suffix_range,
     upper_rows,
@@ -155,16 +156,12 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
 
         # the inter-chunk parts, weighted by exp(b) and exp(b_last - b)
         ranges = bpool.at[3]
-        operands_released(interpret=interpret)  # the products above read the pool
-        ranges[...] = range_matrix(*prefix_range(c), c)
-        plgpu.commit_smem()
+        set_ranges(ranges, prefix_range(c), c, interpret=interpret)  # after the products above
         q_f, k_f = (plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32) for ref in (q_s, k_s))
         q_inter = q_inter * (jnp.exp(range_sums(ranges, parts, 0, interpret=interpret)) * scale)
         grad_q = q_inter + diag * k_f
         cancel = q_f * q_inter  # Dq's inter part
-        operands_released(interpret=interpret)
-        ranges[...] = range_matrix(*suffix_range(c), c)
-        plgpu.commit_smem()
+        set_ranges(ranges, suffix_range(c), c, interpret=interpret)
         k_inter = k_inter * jnp.exp(range_sums(ranges, parts, 0, interpret=interpret))
         grad_k = k_inter + diag * q_f
         y_parts = [bpool.at[i] for i in range(3)]  # Y = k dk_inter, summed over s < t at the end
@@ -175,9 +172,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
 
         def level_step(level, carry):
             grad_q, grad_k, cancel = carry
-            operands_released(interpret=interpret)  # the last level's wgmmas read the pool
-            ranges[...] = range_matrix(*level_range(level, c), c)
-            plgpu.commit_smem()
+            # after the last level's wgmmas, which read the pool
+            set_ranges(ranges, level_range(level, c), c, interpret=interpret)
             factor = jnp.exp(range_sums(ranges, parts, 0, interpret=interpret))
             upper = upper_rows(level, shape)
             zero = full(shape, 0.0)
@@ -201,15 +197,11 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))
 
         # dg = sum_{s < t} Y_s + e^(b_last) term + sum_{s >= t} cancel_s
-        t = row_index(c)
-        operands_released(interpret=interpret)
-        ranges[...] = range_matrix(t - t - 1, t - 1, c)  # s < t
-        plgpu.commit_smem()
+        set_ranges(ranges, before_range(c), c, interpret=interpret)
         state = cols(jnp.exp(plgpu.load(vecs.at[0], layout=COL))
                      * plgpu.load(vecs.at[1], layout=COL), shape)
         dg = matmul([(ranges, part) for part in y_parts], shape, interpret=interpret, init=state)
-        operands_released(interpret=interpret)
-        ranges[...] = range_matrix(t - 1, t - t + (c - 1), c)  # s >= t
+        set_ranges(ranges, at_or_after_range(c), c, interpret=interpret)
         store_parts(cancel, y_parts)
         plgpu.commit_smem()
         dg = matmul([(ranges, part) for part in y_parts], shape, interpret=interpret, init=dg)

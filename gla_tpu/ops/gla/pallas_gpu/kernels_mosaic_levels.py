@@ -160,6 +160,26 @@ def suffix_range(chunk: int):
     return t, t - t + (chunk - 1)
 
 
+def before_range(chunk: int):
+    """(lo, hi) of the tokens s < t."""
+    t = row_index(chunk)
+    return t - t - 1, t - 1
+
+
+def at_or_after_range(chunk: int):
+    """(lo, hi) of the tokens s >= t."""
+    t = row_index(chunk)
+    return t - 1, t - t + (chunk - 1)
+
+
+def set_ranges(ranges_smem, bounds, chunk: int, *, interpret: bool):
+    """The range matrix of `bounds` (lo, hi) into ranges_smem, once every warp is past the last
+    one's products, committed for the tensor cores."""
+    operands_released(interpret=interpret)
+    ranges_smem[...] = range_matrix(*bounds, chunk)
+    plgpu.commit_smem()
+
+
 def level_pairs(level, chunk: int):
     """[C, C] bool: the pairs (r, x) of level L (r upper, x lower, one block)."""
     r, x = row_index(chunk), col_index(chunk)
@@ -220,10 +240,8 @@ def prep(q, k, g, *, scale: float, interpret):
         plgpu.barrier_wait(loaded)
 
         def level_step(level, scores):
-            # the last level's wgmmas read `ranges` and `kops`
-            operands_released(interpret=interpret)
-            ranges[...] = range_matrix(*level_range(level, c), c)
-            plgpu.commit_smem()
+            # after the last level's wgmmas, which read `ranges` and `kops`
+            set_ranges(ranges, level_range(level, c), c, interpret=interpret)
             q_ops = []
             for slab in range(slabs):
                 factor = jnp.exp(range_sums(ranges, parts, slab, interpret=interpret))
@@ -245,9 +263,7 @@ def prep(q, k, g, *, scale: float, interpret):
         scores = (scores + jnp.where(r == x, rows(diag, (c, c)), 0.0)) * scale
 
         # qd and kd over q and k; b_last of each slab through `stage`
-        operands_released(interpret=interpret)
-        ranges[...] = range_matrix(*prefix_range(c), c)
-        plgpu.commit_smem()
+        set_ranges(ranges, prefix_range(c), c, interpret=interpret)
         for slab in range(slabs):
             b = range_sums(ranges, parts, slab, interpret=interpret)
             span = pl.ds(slab * SLAB, SLAB)
@@ -258,9 +274,7 @@ def prep(q, k, g, *, scale: float, interpret):
             q_smem.at[:, span][...] = qd.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, chunk, head, span])
-        operands_released(interpret=interpret)
-        ranges[...] = range_matrix(*suffix_range(c), c)
-        plgpu.commit_smem()
+        set_ranges(ranges, suffix_range(c), c, interpret=interpret)
         for slab in range(slabs):
             rest = range_sums(ranges, parts, slab, interpret=interpret)
             span = pl.ds(slab * SLAB, SLAB)

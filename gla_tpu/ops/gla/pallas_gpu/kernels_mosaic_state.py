@@ -30,7 +30,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, ring_producer
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
-    COL,
     COMPILER_PARAMS,
     F32,
     ROW,
