@@ -124,7 +124,7 @@ def _attention_program(spec: Spec):
     bhtd = jax.ShapeDtypeStruct((b, h, t, d), bf16)
     scale = d ** -0.5
     if spec.impl == "gla_tpu":
-        sizes = _our_attention_blocks(opts)
+        sizes = _our_attention_blocks(opts, spec)
         fn, args = (lambda q, k, v: ops.flash_attention(
             q, k, v, causal=causal, backend="mosaic_tpu", block_sizes=sizes)), (bthd,) * 3
     elif spec.impl == "gla_tpu_xla":
@@ -168,11 +168,18 @@ def _attention_program(spec: Spec):
     return fn, args
 
 
-def _our_attention_blocks(opts: dict):
-    """Our BlockSizes from a spec's ("blocks", [[field, value], ...]) option; None = defaults."""
-    from gla_tpu.ops.attention.mosaic_tpu.plan import BlockSizes
+def _our_attention_blocks(opts: dict, spec: Spec):
+    """Our BlockSizes from a spec's ("blocks", [[field, value], ...]) option, or from its
+    ("defaults_with", [[field, value], ...]) option (the generation's default tiles with those
+    fields replaced); None = defaults."""
+    from gla_tpu.ops.attention.mosaic_tpu import plan
+    from gla_tpu.testing.tpu_compile import targeting
 
-    return BlockSizes(**dict(opts["blocks"])) if "blocks" in opts else None
+    if "defaults_with" in opts:
+        with targeting(spec.generation):
+            sizes = plan.BlockSizes.default(spec.shape[3], plan._target_mxu_width())
+        return dataclasses.replace(sizes, **dict(opts["defaults_with"]))
+    return plan.BlockSizes(**dict(opts["blocks"])) if "blocks" in opts else None
 
 
 def _attention_backward_program(spec: Spec):
@@ -192,17 +199,19 @@ def _attention_backward_program(spec: Spec):
     x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
     with targeting(spec.generation):  # the generation's default tiles, as inside its program
-        cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options)), False)
+        cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options), spec), False)
     tp = cfg.q_len_padded
     head_major = jax.ShapeDtypeStruct((b, h, tp, d), jnp.bfloat16)
     api_layout = jax.ShapeDtypeStruct((b, tp, h, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)
 
-    # The residuals as the custom_vjp saves them: head-major q, k, v; o in the API's layout.
+    # The residuals as the custom_vjp saves them: q, k, v as the forward read them (head-major,
+    # or the API's layout with cfg.token_major_input); o in the API's layout.
     def backward(q, k, v, o, lse, do):
         return vjp._attention_bwd(cfg, (q, k, v, None, None, o, lse), do)[:3]
 
-    return backward, (head_major,) * 3 + (api_layout, rows, api_layout)
+    qkv = api_layout if cfg.token_major_input else head_major
+    return backward, (qkv,) * 3 + (api_layout, rows, api_layout)
 
 
 def _gla_program(spec: Spec):
