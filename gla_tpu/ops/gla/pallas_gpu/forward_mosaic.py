@@ -5,7 +5,7 @@ When those blocks cannot fill the GPU (long T, few heads: (2, 16384, 8, 128, 128
 for 132 SMs), T is cut into P segments that run side by side as P times the batch, in two passes:
 
 1. the kernel without outputs (no q) gives each segment's end state from a zero state, S(p);
-2. XLA scans them into the state each segment starts from,
+2. XLA scans them into the state each segment starts from (time_split.segment_starts),
        S_in(0) = initial state,   S_in(p+1) = exp(G(p)) S_in(p) + S(p),
    G(p) the sum of the segment's gates (<= 0), a few [B, H, K, V] products;
 3. the kernel with outputs runs every segment from its S_in; the last one's final state is the
@@ -19,12 +19,12 @@ without the split. plan.mosaic_time_splits picks P (docs/gpu_backend.md).
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_forward
 from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_BLOCK_V
+from gla_tpu.ops.gla.pallas_gpu.time_split import fold, segment_starts, unfold
 
 
 def forward(q, k, v, g, s0, *, geo, interpret: bool):
@@ -40,24 +40,12 @@ def forward(q, k, v, g, s0, *, geo, interpret: bool):
     vd = v.shape[-1]
     q, k, v, g = (pad_time(x, splits * geo.chunk) for x in (q, k, v, g))
     seg = q.shape[1] // splits
-
-    def as_batch(x):  # [B, P * L, ...] -> [B * P, L, ...]
-        return x.reshape(bsz * splits, seg, *x.shape[2:])
-
-    q, k, v = as_batch(q), as_batch(k), as_batch(v)
-    b = jnp.swapaxes(chunk_local_cumsum(as_batch(g), geo.chunk, method="triangular"), 1, 2)
+    q, k, v = (fold(x, splits) for x in (q, k, v))
+    b = jnp.swapaxes(chunk_local_cumsum(fold(g, splits), geo.chunk, method="triangular"), 1, 2)
     s_local = kernels_mosaic_forward.forward(None, k, v, b, None, **run)  # [B * P, H, K, V]
-
-    decay = jnp.exp(jnp.sum(g.reshape(bsz, splits, seg, h), axis=2))  # [B, P, H]
-
-    def carry_state(s_in, segment):
-        seg_decay, seg_state = segment  # [B, H], [B, H, K, V]
-        return seg_decay[..., None, None] * s_in + seg_state, s_in
-
+    decay = jnp.exp(jnp.sum(g.reshape(bsz, splits, seg, h), axis=2))[..., None]  # [B, P, H, 1]
     start = jnp.zeros((bsz, h, kd, vd), jnp.float32) if s0 is None else s0
-    _, s_in = lax.scan(carry_state, start, (jnp.moveaxis(decay, 1, 0), jnp.moveaxis(
-        s_local.reshape(bsz, splits, h, kd, vd), 1, 0)))  # [P, B, H, K, V]
-    s_in = jnp.moveaxis(s_in, 0, 1).reshape(bsz * splits, h, kd, vd)
-    o, final = kernels_mosaic_forward.forward(q, k, v, b, s_in, **run)
-    o = o.reshape(bsz, splits * seg, h, vd)[:, :tp]
+    o, final = kernels_mosaic_forward.forward(q, k, v, b, segment_starts(s_local, decay, start),
+                                              **run)
+    o = unfold(o, splits)[:, :tp]
     return o, final.reshape(bsz, splits, h, kd, vd)[:, -1]

@@ -28,6 +28,7 @@ from gla_tpu.ops.gla.pallas_gpu import (
     kernels_output,
     kernels_recurrent,
     kernels_state,
+    time_split,
 )
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_state import Pass
 
@@ -124,54 +125,30 @@ def _sum_groups(x, groups: int, dtype):
     return jnp.sum(x.reshape(b, t, hg // groups, groups, v), axis=3).astype(dtype)
 
 
-def _fold(x, splits: int):
-    """[B, P * L, ...] -> [B * P, L, ...]: P segments of the time (or chunk) axis as batch rows."""
-    return x.reshape(x.shape[0] * splits, x.shape[1] // splits, *x.shape[2:])
-
-
-def _unfold(x, splits: int):
-    return x.reshape(x.shape[0] // splits, x.shape[1] * splits, *x.shape[2:])
-
-
-def _segment_starts(local, last, start, splits: int, *, reverse: bool):
-    """The state each of P segments starts from, [B * P, H, K, V] float32: local [B * P, H, K, V]
-    the segments' states from zero, last [B, N, H, K] the chunk decays, start [B, H, K, V] the
-    state entering the first segment (reverse: the gradient arriving after the last one).
-    S_in(p + 1) = exp(G(p)) S_in(p) + local(p), G(p) the segment's decay per key (<= 0)."""
-    b, n, h, kd = last.shape
-    decay = jnp.exp(jnp.sum(last.reshape(b, splits, n // splits, h, kd), axis=2))  # [B, P, H, K]
-    local = local.reshape(b, splits, *local.shape[1:])
-
-    def carry(s_in, segment):
-        seg_decay, seg_state = segment  # [B, H, K], [B, H, K, V]
-        return seg_decay[..., None] * s_in + seg_state, s_in
-
-    _, s_in = lax.scan(carry, start, (jnp.moveaxis(decay, 1, 0), jnp.moveaxis(local, 1, 0)),
-                       reverse=reverse)  # [P, B, H, K, V]
-    return jnp.moveaxis(s_in, 0, 1).reshape(b * splits, *start.shape[1:])
-
-
 def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, p, splits, interpret):
     """kernels_mosaic_state.state_pass over P segments of T side by side (more blocks where B H
-    V / 64 cannot fill the GPU): a states-only pass from zero per segment, a scan of those into
-    each segment's starting state, then the full pass; forward_mosaic.py does the same for the
-    per-head forward. Returns what state_pass returns, the last state that of the whole T."""
+    V / 64 cannot fill the GPU; time_split.py): a states-only pass from zero per segment, a scan
+    of those into each segment's starting state, then the full pass. Returns what state_pass
+    returns, the last state that of the whole T."""
     if splits == 1:
         return kernels_mosaic_state.state_pass(x, y, last, s0, w=w, a=a, h_parts=h_parts, p=p,
                                                interpret=interpret)
-    bsz, h, kd, vd = x.shape[0], x.shape[2], x.shape[3], y.shape[3]
-    fold = functools.partial(_fold, splits=splits)
+    bsz, n, h, kd = last.shape
+    vd = y.shape[3]
+    split = functools.partial(time_split.fold, splits=splits)
     states_only = dataclasses.replace(p, outputs=False, store_parts=0, state_term=False)
-    local = kernels_mosaic_state.state_pass(fold(x), fold(y), fold(last), None, p=states_only,
-                                            interpret=interpret)[-1]
+    local = kernels_mosaic_state.state_pass(split(x), split(y), split(last), None,
+                                            p=states_only, interpret=interpret)[-1]
+    # each segment's decay, exp of its chunks' summed gates [B, P, H, K]
+    decay = jnp.exp(jnp.sum(last.reshape(bsz, splits, n // splits, h, kd), axis=2))
     start = jnp.zeros((bsz, h, kd, vd), jnp.float32) if s0 is None else s0
-    s_in = _segment_starts(local, last, start, splits, reverse=p.reverse)
-    h_parts = None if h_parts is None else tuple(fold(x) for x in h_parts)
-    *outs, final = kernels_mosaic_state.state_pass(fold(x), fold(y), fold(last), s_in, w=fold(w),
-                                                   a=fold(a), h_parts=h_parts, p=p,
+    s_in = time_split.segment_starts(local, decay, start, reverse=p.reverse)
+    h_parts = None if h_parts is None else tuple(split(x) for x in h_parts)
+    *outs, final = kernels_mosaic_state.state_pass(split(x), split(y), split(last), s_in,
+                                                   w=split(w), a=split(a), h_parts=h_parts, p=p,
                                                    interpret=interpret)
     final = final.reshape(bsz, splits, *final.shape[1:])[:, 0 if p.reverse else -1]
-    return [_unfold(out, splits) for out in outs] + [final]
+    return [time_split.unfold(out, splits) for out in outs] + [final]
 
 
 def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
