@@ -50,10 +50,11 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     SLAB,
     T,
     cols,
-    full,
     iota,
+    level_operands,
     level_pairs,
     level_range,
+    load_slab,
     matmul,
     operands_released,
     at_or_after_range,
@@ -175,12 +176,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
             # after the last level's wgmmas, which read the pool
             set_ranges(ranges, level_range(level, c), c, interpret=interpret)
             factor = jnp.exp(range_sums(ranges, parts, 0, interpret=interpret))
-            upper = upper_rows(level, shape)
-            zero = full(shape, 0.0)
-            q_op = jnp.where(upper, plgpu.load(q_s, layout=plgpu.Layout.WGMMA).astype(F32)
-                             * factor, zero).astype(dtype)
-            k_op = jnp.where(upper, zero, plgpu.load(k_s, layout=plgpu.Layout.WGMMA).astype(F32)
-                             * factor).astype(dtype)
+            q_op, k_op = level_operands(load_slab(q_s, 0), load_slab(k_s, 0), factor,
+                                        upper_rows(level, shape), dtype)
             q_ops[...] = q_op
             k_ops[...] = k_op
             da16 = plgpu.load(da_s, layout=plgpu.Layout.WGMMA)
