@@ -117,11 +117,49 @@ def bench_total(ctx, shape, gate):
                flops=gla_flops(b_, t, h, kd, vd, backward=mode == "fwd+bwd"))
 
 
+SEGMENT_MEAN_LEN = 512  # documents packed into a row: segment lengths geometric, this mean
+
+
+def bench_segments(ctx, shape, gate):
+    """Forward and forward+backward with segment_ids (random_segment_ids, mean length
+    SEGMENT_MEAN_LEN): the pair-level kernels (segment starts as reset gates) against the Triton
+    kernels, and the pair-level kernels without segments, on the same draw."""
+    from gla_tpu import ops
+    from gla_tpu.ops.gla.pallas_gpu import BlockSizes
+    from gla_tpu.testing.problems import random_segment_ids
+
+    b_, t, h, kd, vd = shape
+    rng = np.random.default_rng(ctx.seed)
+    q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(g)]
+    ct = jnp.asarray(rng.standard_normal(v.shape, np.float32))
+    seg = random_segment_ids(jax.random.key(ctx.seed), b_, t, mean_len=SEGMENT_MEAN_LEN)
+    # the Triton kernels' forward only (their backward's autotuning takes minutes)
+    for impl, kernel, segments, modes in (
+            ("ours_chunk_pair_levels_segments", "mosaic_gpu", seg, ("fwd", "fwd+bwd")),
+            ("ours_chunk_triton_segments", "triton", seg, ("fwd",)),
+            ("ours_chunk_pair_levels", "mosaic_gpu", None, ("fwd", "fwd+bwd"))):
+        sizes = BlockSizes(chunk_kernel=kernel)
+
+        def fn(q, k, v, g, sizes=sizes, segments=segments):
+            return ops.gla(q, k, v, g, segment_ids=segments, mode="chunk",
+                           backend="pallas_gpu", block_sizes=sizes)[0]
+
+        for mode in modes:
+            f = fn if mode == "fwd" else fwd_bwd(fn, ct)
+            record(ctx, op="gla", impl=impl, shape=shape, mode=mode, gate=gate,
+                   timing=time_jax(f, *args),
+                   flops=gla_flops(b_, t, h, kd, vd, backward=mode == "fwd+bwd"),
+                   note=(f"segment_ids: random_segment_ids mean length {SEGMENT_MEAN_LEN}"
+                         if segments is not None else "no segment_ids"))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="4,4096,16,128,128", help="B,T,H,K,V")
     parser.add_argument("--gates", default="fla", help=f"comma list of {sorted(GATES)}")
-    parser.add_argument("--parts", default="check,kernels,total")
+    parser.add_argument("--parts", default="check,kernels,total",
+                        help="comma list of check, kernels, total, segments")
     parser.add_argument("--once", action="store_true", help="run each kernel once (profilers)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="gla_pair_levels")
@@ -142,6 +180,8 @@ def main(argv=None):
             bench_kernels(ctx, shape, gate)
         if "total" in parts:
             bench_total(ctx, shape, gate)
+        if "segments" in parts:
+            bench_segments(ctx, shape, gate)
     if not args.once:
         write_outputs(ctx, args.out, args.tag)
 

@@ -72,17 +72,14 @@ def test_lowers_to_mosaic_kernels_and_no_triton(splits, expected):
     assert gla_lowered_kernels(sizes, q, v, g, s0) == expected
 
 
-@pytest.mark.parametrize("mode,key_dim,value_dim,dtype,segments,match", [
-    ("fused_recurrent", 64, 64, jnp.bfloat16, False, "fused_recurrent"),
-    ("chunk", 64, 64, jnp.float32, False, "float32"),
-    ("chunk", 64, 64, jnp.bfloat16, True, "segment_ids")])
-def test_refuses_what_it_cannot_take(mode, key_dim, value_dim, dtype, segments, match):
-    x = jnp.ones((1, 64, 1, key_dim), dtype)
-    v = jnp.ones((1, 64, 1, value_dim), dtype)
-    g = jnp.full((1, 64, 1, key_dim), -0.1)
-    seg = jnp.zeros((1, 64), jnp.int32) if segments else None
+@pytest.mark.parametrize("mode,dtype,match", [
+    ("fused_recurrent", jnp.bfloat16, "fused_recurrent"),
+    ("chunk", jnp.float32, "float32")])
+def test_refuses_what_it_cannot_take(mode, dtype, match):
+    x = jnp.ones((1, 64, 1, 64), dtype)
+    g = jnp.full((1, 64, 1, 64), -0.1)
     with pytest.raises(NotImplementedError, match=match):
-        ops.gla(x, x, v, g, segment_ids=seg, mode=mode, backend="pallas_gpu", interpret=True,
+        ops.gla(x, x, x, g, mode=mode, backend="pallas_gpu", interpret=True,
                 block_sizes=PAIR_LEVELS)
     with pytest.raises(ValueError, match="chunk_kernel"):
         BlockSizes(chunk_kernel="cuda")
@@ -95,6 +92,19 @@ def test_interpret_parity_time_splits():
     check_gla_parity(case, jax.random.key(8), dtype=jnp.bfloat16, backend="pallas_gpu",
                      interpret=True,
                      block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=2))
+
+
+# segment_ids as gates of -1e3 at each segment's start (entry.reset_at_segment_starts): segments of
+# about 8 tokens, one-token ones included, so most chunks hold several resets; an initial state
+# (the first segment's); the time split, whose segment scan sees decays of exactly 0.
+@pytest.mark.parametrize("case,splits", [
+    (GLACase(1, 130, 2, 64, 64, gate="key", initial_state=True, segments=True), 1),
+    (GLACase(1, 300, 1, 64, 64, gate="key", gate_strength=16.0, segments=True), 2),
+], ids=str)
+def test_interpret_parity_segments(case, splits):
+    check_gla_parity(case, jax.random.key(9), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     interpret=True,
+                     block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=splits))
 
 
 # Per-head and absent gates train on the same kernels, broadcast over K (dg summed back over K by
@@ -124,6 +134,9 @@ GPU_CASES = [
     (GLACase(3, 1, 2, 128, 128, gate="key", initial_state=True), jnp.bfloat16),
     (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True), jnp.bfloat16),
     (GLACase(1, 1000, 2, 512, 192, gate="key", gate_strength=1e-3), jnp.bfloat16),
+    (GLACase(2, 2000, 2, 128, 128, gate="key", initial_state=True, segments=True), jnp.bfloat16),
+    (GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=16.0, segments=True),
+     jnp.bfloat16),
 ]
 
 

@@ -39,7 +39,8 @@ CAPABILITIES = Capabilities(
     dims=(("K", Dims(high=MAX_DIM)), ("V", Dims(high=MAX_DIM))),
     features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=(CHUNK,),
     notes="on Hopper, modes chunk and fused_chunk run pair-level Mosaic GPU kernels, forward "
-          "and backward incl. dg, one speed for every gate (16-bit, no segments; K above 128 "
+          "and backward incl. dg, one speed for every gate (16-bit, segment ids as gates that "
+          "reset the state; K above 128 "
           "as groups of 128 keys; per-head and no gates broadcast over K), and an "
           "undifferentiated call with per-head "
           "or no gates one Mosaic GPU forward; elsewhere the chunked Triton kernels "
@@ -63,6 +64,23 @@ def segment_masks(seg, chunk: int):
     f32 = jnp.float32
     return (reach.reshape(b, tp).astype(f32), last.reshape(b, tp).astype(f32),
             keep[:, :, 0].astype(f32), token_starts(seg).astype(f32))
+
+
+# The log gate the pair-level kernels see at the first token of a segment (but a row's first):
+# every exponent they take is a range sum of gates (R g, docs/gla_math.md), and a range that
+# crosses a segment start then sums to at most this, whose exponential is exactly 0 in float32
+# (below -104), bfloat16 and float16. The state is reset there and nothing else changes: a range
+# inside one segment never holds the start's gate. -1e3 is within the gate strengths the kernels
+# are tested at (about -800 a token), exact in bfloat16 (the kernels' two-part gates), and a
+# chunk of 64 such starts sums to -6.4e4, far from float32's range.
+RESET_LOG_GATE = -1000.0
+
+
+def reset_at_segment_starts(gates, start):
+    """gates [B, Tp, H, K] float32 with RESET_LOG_GATE where start [B, Tp] is 1: segment_ids as
+    gates. The gate at a segment start multiplies a state the reset zeroes, so its gradient is 0,
+    which autodiff of the `where` gives."""
+    return jnp.where(start[:, :, None, None] > 0, RESET_LOG_GATE, gates)
 
 
 def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
@@ -93,8 +111,8 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
         block_sizes, bool(interpret), per_head=per_head, has_segments=segment_ids is not None,
         dtype=q.dtype, key_dim=kp)
     use_mosaic_chunk = mosaic_chunk(
-        block_sizes, bool(interpret), few_tokens=few_tokens,
-        has_segments=segment_ids is not None, dtype=q.dtype, key_dim=kp, value_dim=vp,
+        block_sizes, bool(interpret), few_tokens=few_tokens, dtype=q.dtype, key_dim=kp,
+        value_dim=vp,
         exact_inter=problem.mode == "fused_recurrent")
     geo = chunk_geometry(qp.shape[1], kp, vp, scale=float(problem.scale),
                          has_segments=segment_ids is not None,
@@ -103,6 +121,8 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
                          heads=h, block_sizes=block_sizes)
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
         if use_mosaic_chunk:
+            if start is not None:
+                gp = reset_at_segment_starts(gp, start)
             qp, kp_, gp, vpad = (pad_time(x, CHUNK * geo.mosaic_splits)
                                  for x in (qp, kp_, gp, vpad))
             # groups of keys as virtual heads [B, Tp, H * G, K / G] (zero-copy reshapes)

@@ -192,12 +192,10 @@ MOSAIC_CHUNK_VALUE_DIMS = (64, 128, 256, 512)  # padded V
 MOSAIC_GROUP_KEYS = 128
 
 
-def mosaic_chunk_reason(*, has_segments: bool, dtype, key_dim: int, value_dim: int,
-                        exact_inter: bool):
+def mosaic_chunk_reason(*, dtype, key_dim: int, value_dim: int, exact_inter: bool):
     """Why the pair-level Mosaic GPU kernels cannot take a problem (None: they can); key_dim and
-    value_dim are the padded K and V. Per-head and absent gates take them broadcast over K."""
-    if has_segments:
-        return "segment_ids"
+    value_dim are the padded K and V. Per-head and absent gates take them broadcast over K;
+    segment ids as gates that reset the state (entry.reset_at_segment_starts)."""
     if exact_inter:
         return ("mode 'fused_recurrent' (its backward's float32-accurate state products; modes "
                 "'chunk' and 'fused_chunk' take them)")
