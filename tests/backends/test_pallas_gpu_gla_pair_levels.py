@@ -85,10 +85,12 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
         BlockSizes(chunk_kernel="cuda")
 
 
-# The state passes split in time (segments side by side, a scan of their states between the two
-# passes), forward and reversed, with an initial state and a partial last segment.
+# The state passes split in time (segments of T side by side, a scan of their states between the
+# two passes), forward and reversed, with an initial state, a partial last segment of T and
+# segment_ids (reset gates: the scan sees decays of exactly 0).
 def test_interpret_parity_time_splits():
-    case = GLACase(1, 300, 1, 64, 64, gate="key", initial_state=True)
+    case = GLACase(1, 300, 1, 64, 64, gate="key", gate_strength=16.0, initial_state=True,
+                   segments=True)
     check_gla_parity(case, jax.random.key(8), dtype=jnp.bfloat16, backend="pallas_gpu",
                      interpret=True,
                      block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=2))
@@ -96,15 +98,11 @@ def test_interpret_parity_time_splits():
 
 # segment_ids as gates of -1e3 at each segment's start (entry.reset_at_segment_starts): segments of
 # about 8 tokens, one-token ones included, so most chunks hold several resets; an initial state
-# (the first segment's); the time split, whose segment scan sees decays of exactly 0.
-@pytest.mark.parametrize("case,splits", [
-    (GLACase(1, 130, 2, 64, 64, gate="key", initial_state=True, segments=True), 1),
-    (GLACase(1, 300, 1, 64, 64, gate="key", gate_strength=16.0, segments=True), 2),
-], ids=str)
-def test_interpret_parity_segments(case, splits):
+# (the first segment's). With the time split: test_interpret_parity_time_splits.
+def test_interpret_parity_segments():
+    case = GLACase(1, 130, 2, 64, 64, gate="key", initial_state=True, segments=True)
     check_gla_parity(case, jax.random.key(9), dtype=jnp.bfloat16, backend="pallas_gpu",
-                     interpret=True,
-                     block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=splits))
+                     interpret=True, block_sizes=PAIR_LEVELS)
 
 
 # Per-head and absent gates train on the same kernels, broadcast over K (dg summed back over K by
