@@ -205,13 +205,12 @@ def _attention_backward_program(spec: Spec):
     api_layout = jax.ShapeDtypeStruct((b, tp, h, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)
 
-    # The residuals as the custom_vjp saves them: q, k, v as the forward read them (head-major,
-    # or the API's layout with cfg.token_major_input); o in the API's layout.
+    # The residuals as the custom_vjp saves them: q, k, v head-major, as the forward read them;
+    # o in the API's layout.
     def backward(q, k, v, o, lse, do):
         return vjp._attention_bwd(cfg, (q, k, v, None, None, o, lse), do)[:3]
 
-    qkv = api_layout if cfg.token_major_input else head_major
-    return backward, (qkv,) * 3 + (api_layout, rows, api_layout)
+    return backward, (head_major,) * 3 + (api_layout, rows, api_layout)
 
 
 def _gla_program(spec: Spec):

@@ -32,3 +32,22 @@ def test_static_cycle_estimate_does_not_grow(recorded):
     assert record["cycles"] <= GROWTH_ALLOWED * recorded["cycles"], (
         f"{spec.key}: {record['cycles']:,} cycles, recorded {recorded['cycles']:,} "
         f"(+{record['cycles'] / recorded['cycles'] - 1:.1%}); per op: {record['ops']}")
+
+
+# Every program the bench builds must at least trace: an attention forward+backward is profiled
+# as two programs, and its backward program is built from abstract residuals that must match what
+# the custom_vjp saves (a field it read once went missing from the kernel config unnoticed).
+@pytest.mark.parametrize("op,shape", [("attention", (1, 2, 1024, 128, True)),
+                                      ("gla", (1, 256, 2, 128, 128, "key", "chunk"))])
+def test_bench_programs_trace(op, shape):
+    import jax
+
+    from bench.tpu_static import Spec, _attention_backward_program, _program
+    from gla_tpu.testing.tpu_compile import targeting
+
+    spec = Spec(op, "gla_tpu", shape, "v6e", "fwd_bwd")
+    programs = [_program(spec)] + ([_attention_backward_program(spec)] if op == "attention"
+                                   else [])
+    with targeting("v6e"):
+        for fn, args in programs:
+            jax.jit(fn).trace(*args)
