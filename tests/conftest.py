@@ -38,7 +38,9 @@ settings.load_profile("ci")
 def pytest_collection_modifyitems(config, items):
     has_gpu = (any(d.platform == "gpu" for d in jax.devices())
                if os.environ.get("JAX_PLATFORMS") != "cpu" else False)
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the lent H100/H200)")
+    # this file defaults JAX_PLATFORMS to cpu: on a GPU machine the gpu tests need it set
+    skip_gpu = pytest.mark.skip(
+        reason="needs a CUDA GPU and JAX_PLATFORMS=cuda (run on the lent H100/H200)")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
