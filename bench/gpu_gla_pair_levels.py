@@ -104,12 +104,19 @@ def check(ctx, shape, gate):
            note=note, error=f"rel err above 2e-2: {bad}" if bad else None)
 
 
+def timing_inputs(seed, shape, gate, per_head=False):
+    """(q, k, v bfloat16 and g float32 on the device, a float32 output cotangent) for timing
+    forward and forward+backward: q, k, v ~ N(0, 1), g from GATES."""
+    b_, t, h, kd, vd = shape
+    rng = np.random.default_rng(seed)
+    q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate, per_head=per_head)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(g)]
+    return args, jnp.asarray(rng.standard_normal(v.shape, np.float32))
+
+
 def bench_total(ctx, shape, gate):
     b_, t, h, kd, vd = shape
-    rng = np.random.default_rng(ctx.seed)
-    q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
-    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(g)]
-    ct = jnp.asarray(rng.standard_normal(v.shape, np.float32))
+    args, ct = timing_inputs(ctx.seed, shape, gate)
     fn = ours_gla("chunk", chunk_kernel="mosaic_gpu")
     for mode, f in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn, ct))):
         record(ctx, op="gla", impl="ours_chunk_pair_levels", shape=shape, mode=mode, gate=gate,
@@ -124,27 +131,17 @@ def bench_segments(ctx, shape, gate):
     """Forward and forward+backward with segment_ids (random_segment_ids, mean length
     SEGMENT_MEAN_LEN): the pair-level kernels (segment starts as reset gates) against the Triton
     kernels, and the pair-level kernels without segments, on the same draw."""
-    from gla_tpu import ops
-    from gla_tpu.ops.gla.pallas_gpu import BlockSizes
     from gla_tpu.testing.problems import random_segment_ids
 
     b_, t, h, kd, vd = shape
-    rng = np.random.default_rng(ctx.seed)
-    q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
-    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(g)]
-    ct = jnp.asarray(rng.standard_normal(v.shape, np.float32))
+    args, ct = timing_inputs(ctx.seed, shape, gate)
     seg = random_segment_ids(jax.random.key(ctx.seed), b_, t, mean_len=SEGMENT_MEAN_LEN)
     # the Triton kernels' forward only (their backward's autotuning takes minutes)
     for impl, kernel, segments, modes in (
             ("ours_chunk_pair_levels_segments", "mosaic_gpu", seg, ("fwd", "fwd+bwd")),
             ("ours_chunk_triton_segments", "triton", seg, ("fwd",)),
             ("ours_chunk_pair_levels", "mosaic_gpu", None, ("fwd", "fwd+bwd"))):
-        sizes = BlockSizes(chunk_kernel=kernel)
-
-        def fn(q, k, v, g, sizes=sizes, segments=segments):
-            return ops.gla(q, k, v, g, segment_ids=segments, mode="chunk",
-                           backend="pallas_gpu", block_sizes=sizes)[0]
-
+        fn = ours_gla("chunk", chunk_kernel=kernel, segment_ids=segments)
         for mode in modes:
             f = fn if mode == "fwd" else fwd_bwd(fn, ct)
             record(ctx, op="gla", impl=impl, shape=shape, mode=mode, gate=gate,

@@ -9,10 +9,9 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from bench.gpu_side_by_side import fwd_bwd, gla_inputs, ours_gla
+from bench.gpu_gla_pair_levels import timing_inputs
+from bench.gpu_side_by_side import fwd_bwd, ours_gla
 
 # k256: (8, 2048, 4, 256, 512) per-key; per_head and per_key: (4, 4096, 16, 128, 128)
 PROBLEMS = {"k256": ((8, 2048, 4, 256, 512), False),
@@ -21,15 +20,12 @@ PROBLEMS = {"k256": ((8, 2048, 4, 256, 512), False),
 
 
 def main(which: str):
-    (b, t, h, kd, vd), per_head = PROBLEMS[which]
-    rng = np.random.default_rng(0)
-    q, k, v, g, _ = gla_inputs(rng, b, t, h, kd, vd, gate="fla", per_head=per_head)
-    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(g)]
-    ct = jnp.asarray(rng.standard_normal((b, t, h, vd), np.float32))
+    shape, per_head = PROBLEMS[which]
+    args, ct = timing_inputs(0, shape, "fla", per_head=per_head)
     f = jax.jit(fwd_bwd(ours_gla("chunk"), ct))
     jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
-    print("done", which, (b, t, h, kd, vd))
+    print("done", which, shape)
 
 
 if __name__ == "__main__":

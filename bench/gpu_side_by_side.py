@@ -233,7 +233,8 @@ def gla_inputs(rng, b, t, h, kd, vd, with_state=False, gate="fla", per_head=Fals
     return q, k, v, g.astype(np.float32), s0
 
 
-def ours_gla(mode, with_state=False, forward_kernel="auto", chunk_kernel="auto"):
+def ours_gla(mode, with_state=False, forward_kernel="auto", chunk_kernel="auto",
+             segment_ids=None):
     from gla_tpu import ops
     from gla_tpu.ops.gla.pallas_gpu import BlockSizes
 
@@ -241,7 +242,7 @@ def ours_gla(mode, with_state=False, forward_kernel="auto", chunk_kernel="auto")
 
     def fn(q, k, v, g, *s0):
         o, _ = ops.gla(q, k, v, g, initial_state=s0[0] if s0 else None, mode=mode,
-                       backend="pallas_gpu", block_sizes=sizes)
+                       segment_ids=segment_ids, backend="pallas_gpu", block_sizes=sizes)
         return o
 
     return fn
