@@ -97,9 +97,14 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
     q_p, k_p, v_p = (pad_time(x, c) for x in (q, k, v))
     tp = q_p.shape[1]
     # Zero log gates in the padding: padded tokens (k = v = 0) change neither o nor the state.
-    # One product with a triangle of ones per chunk (the matrix units; XLA's cumsum on TPU is a
-    # slow reduce-window, docs/gla_mosaic_tpu.md).
-    bsum = None if g is None else chunk_local_cumsum(pad_time(g, c), c, method="triangular")
+    # Per-key gates go to the kernels as they are (they take the chunk-local sums themselves);
+    # per-head sums are one product with a triangle of ones per chunk (the matrix units; XLA's
+    # cumsum on TPU is a slow reduce-window, docs/gla_mosaic_tpu.md).
+    gates = None
+    if problem.gate_kind == "key":
+        gates = pad_time(g.astype(jnp.float32), c)
+    elif problem.gate_kind == "head":
+        gates = chunk_local_cumsum(pad_time(g, c), c, method="triangular")
     rel = None
     if segment_ids is not None:
         rel = _relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
@@ -110,8 +115,8 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
         scale=float(problem.scale), dtype=jnp.dtype(q.dtype),
     )
     with jax.named_scope(f"gla_mosaic_tpu_{problem.mode}"):
-        o, final = vjp.chunked(cfg, problem.mode, interpret, q_p, k_p, v_p, bsum, initial_state,
-                               rel)
+        o, final = vjp.chunked(cfg, problem.mode, interpret, q_p, k_p, v_p, gates,
+                               initial_state, rel)
     return o[:, :t], (final if problem.output_final_state else None)
 
 

@@ -44,12 +44,21 @@ def _seq_spec(d: int, block: int, c: int, chunk_of):
     return pl.BlockSpec((None, None, c, d), lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0))
 
 
+def _partial_spec(d: int, c: int, chunk_of):
+    """BlockSpec of a per-V-block share of a [B, T, H, D] gradient, [nV, *seq_shape]: one chunk
+    of one head (the layout of `_seq_spec` behind a leading V-block axis)."""
+    if d % LANES == 0:
+        return pl.BlockSpec((None, None, c, d), lambda bi, hi, vi, ni: (vi, bi, chunk_of(ni), hi))
+    return pl.BlockSpec((None, None, None, c, d),
+                        lambda bi, hi, vi, ni: (vi, bi, hi, chunk_of(ni), 0))
+
+
 def _specs(cfg: ChunkConfig, chunk_of):
     c, kd, bv = cfg.chunk, cfg.key_dim, cfg.block_v
     return {
         "q": _seq_spec(kd, kd, c, chunk_of),
         "k": _seq_spec(kd, kd, c, chunk_of),
-        "b": _seq_spec(kd, kd, c, chunk_of),
+        "g": _seq_spec(kd, kd, c, chunk_of),  # per-key log gates, float32
         "v": _seq_spec(cfg.value_dim, bv, c, chunk_of),
         "do": _seq_spec(cfg.value_dim, bv, c, chunk_of),
         "o": _seq_spec(cfg.value_dim, bv, c, chunk_of),
@@ -68,10 +77,8 @@ def _specs(cfg: ChunkConfig, chunk_of):
         **{name: pl.BlockSpec((None, None, None, bv, kd),
                               lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), vi, 0))
            for name in ("states", "dstates")},
-        # Per-V-block partial sums of dq, dk: [nV, B, H, T, K] float32.
-        **{name: pl.BlockSpec((None, None, None, c, kd),
-                              lambda bi, hi, vi, ni: (vi, bi, hi, chunk_of(ni), 0))
-           for name in ("dq", "dk")},
+        # Per-V-block shares of dq, dk and per-key dg.
+        **{name: _partial_spec(kd, c, chunk_of) for name in ("dq", "dk", "dg")},
         # Per-chunk, per-V-block [1, K] rows for the gate gradient: [nV, B, H, N, 1, K] float32.
         **{name: pl.BlockSpec((None, None, None, None, 1, kd),
                               lambda bi, hi, vi, ni: (vi, bi, hi, chunk_of(ni), 0, 0))
@@ -81,7 +88,7 @@ def _specs(cfg: ChunkConfig, chunk_of):
 
 def _gate_names(cfg: ChunkConfig, with_rows: bool = True):
     if cfg.gate_kind == "key":
-        return ["b"]
+        return ["g"]
     if cfg.gate_kind == "head":
         return ["bcol", "brow"] if with_rows else ["bcol"]
     return []
@@ -113,15 +120,21 @@ def _outputs(cfg: ChunkConfig, role: str):
     o = jax.ShapeDtypeStruct(seq_shape(b, t, h, vd), cfg.dtype)
     state = jax.ShapeDtypeStruct((b, h, vd, kd), f32)
     states = jax.ShapeDtypeStruct((b, h, cfg.num_chunks, vd, kd), f32)
-    partial = jax.ShapeDtypeStruct((cfg.num_v_blocks, b, h, t, kd), f32)
-    rows = jax.ShapeDtypeStruct((cfg.num_v_blocks, b, h, cfg.num_chunks, 1, kd), f32)
+    partial = (cfg.num_v_blocks, *seq_shape(b, t, h, kd))
+    grads = {name: jax.ShapeDtypeStruct(partial, cfg.key_grad_dtype) for name in ("dq", "dk")}
+    grads["dv"] = o
+    if cfg.gate_kind == "key":
+        grads["dg"] = jax.ShapeDtypeStruct(partial, f32)
+    elif cfg.gate_kind == "head":
+        # Per-chunk [1, K] rows for the gate gradient: [nV, B, H, N, 1, K] float32.
+        grads["edge"] = jax.ShapeDtypeStruct((cfg.num_v_blocks, b, h, cfg.num_chunks, 1, kd), f32)
     return {
         "fused_fwd": {"o": o, "final": state},
         "states": {"states": states, "final": state},
         "outputs": {"o": o},
         "dstates": {"dstates": states, "ds0": state},
-        "bwd_chunk": {"dq": partial, "dk": partial, "dv": o, "edge": rows},
-        "bwd_fused": {"dq": partial, "dk": partial, "dv": o, "edge": rows},
+        "bwd_chunk": grads,
+        "bwd_fused": grads,
     }[role]
 
 
@@ -170,7 +183,7 @@ def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
         return r[name][...] if name in r else None
 
     if cfg.gate_kind == "key":
-        gate = tile.Gate("key", b=load("b"))
+        gate = tile.Gate("key", g=load("g"))
     elif cfg.gate_kind == "head":
         gate = tile.Gate("head", col=load("bcol"), row=load("brow"))
     else:
@@ -208,10 +221,13 @@ def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
     elif role in ("bwd_chunk", "bwd_fused"):
         st = r["states"][...] if role == "bwd_chunk" else carry[...]
         dq, dk, dv, edge = tile.backward(q, k, v, gate, seg, do, st, r["dstates"][...], dt)
-        r["dq"][...] = dq
-        r["dk"][...] = dk
+        if cfg.gate_kind == "key":
+            r["dg"][...] = tile.gate_grad_per_key(q, k, dq, dk, edge)
+        elif cfg.gate_kind == "head":
+            r["edge"][...] = edge
+        r["dq"][...] = dq.astype(r["dq"].dtype)
+        r["dk"][...] = dk.astype(r["dk"].dtype)
         r["dv"][...] = dv.astype(r["dv"].dtype)
-        r["edge"][...] = edge
         if role == "bwd_chunk":
             return
         nxt = tile.next_state(k, v, gate, seg, st, dt)

@@ -2,7 +2,7 @@
 
 Notation of docs/gla_math.md and docs/gla_mosaic_tpu.md: a chunk holds C tokens; q, k [C, K],
 v and dO [C, bv] (one block of V); b is the chunk-local inclusive running sum of the log gates
-(computed outside the kernels); the state is held transposed, ST = S^T [bv, K] float32, so that
+(per-key gates: `running_sum` of g inside the kernels; per-head gates: computed outside); the state is held transposed, ST = S^T [bv, K] float32, so that
 every product below is a plain, A @ B^T or A^T @ B matmul and no in-kernel transpose is needed.
 
 Every exponential is of a non-positive difference of gate sums; a difference that would be
@@ -13,9 +13,11 @@ Matmul operands are in `dt` (the input dtype), accumulation in float32, as in th
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from gla_tpu.ops.common.chunk_cumsum import SUB_CHUNK
 from gla_tpu.ops.common.masks import intra_chunk_visibility
@@ -31,20 +33,77 @@ def _iota(shape, axis):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-@dataclasses.dataclass(frozen=True)
+# Rows of one float32 vreg: the running sum scans within these groups, then carries across them.
+_SUBLANES = 8
+
+
+def running_sum(x, *, reverse: bool = False):
+    """Inclusive running sum of x [C, K] float32 along the chunk: row i sums rows 0..i (reverse:
+    rows i..C-1). Mosaic has no cumsum. Within each group of 8 rows (one vreg) a Hillis-Steele
+    scan (3 rounds of a sublane rotation, `pltpu.roll` with np.roll's semantics, a mask and an
+    add); then the groups' totals are carried from group to group in order. Every row of a group
+    is its group's carry plus a sum of at most 8 gates, so the difference of two nearby rows
+    rounds about as little as a sequential cumsum's (docs/gla_mosaic_tpu.md, "Gate sums inside
+    the kernels")."""
+    c, kd = x.shape
+    groups = x.reshape(c // _SUBLANES, _SUBLANES, kd)
+    rows = _iota(groups.shape, 1)
+    shift = 1
+    while shift < _SUBLANES:
+        if reverse:  # row i adds row i + shift of its group
+            rolled = pltpu.roll(groups, _SUBLANES - shift, 1)
+            groups = groups + jnp.where(rows < _SUBLANES - shift, rolled, 0.0)
+        else:  # row i adds row i - shift
+            groups = groups + jnp.where(rows >= shift, pltpu.roll(groups, shift, 1), 0.0)
+        shift *= 2
+    order = range(c // _SUBLANES)
+    out = [None] * len(order)
+    carry = None
+    for gi in (reversed(order) if reverse else order):
+        part = groups[gi] if carry is None else groups[gi] + carry
+        out[gi] = part
+        carry = part[0:1, :] if reverse else part[_SUBLANES - 1:, :]
+    return jnp.concatenate(out, axis=0)
+
+
+def gate_grad_per_key(q, k, dq, dk, edge):
+    """dg [C, K] float32 of per-key log gates from one chunk's float32 dq, dk (or one V block's
+    share of them) and its edge row [1, K] (`backward`): db_t = q_t dq_t - k_t dk_t, plus edge at
+    the chunk's last token, then dg_t = sum of db over t..C-1 (b_t sums g over the chunk's tokens
+    up to t)."""
+    c = q.shape[0]
+    db = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
+    db = db + jnp.where(_iota((c, 1), 0) == c - 1, edge, 0.0)
+    return running_sum(db, reverse=True)
+
+
 class Gate:
-    """The chunk's gate sums. kind "key": `b` [C, K]; "head": `col` [C, 1], `row` [1, C]; "none"."""
+    """The chunk's gate sums, built lazily so that each kernel scans only what it uses.
 
-    kind: str
-    b: jax.Array | None = None
-    col: jax.Array | None = None
-    row: jax.Array | None = None
+    kind "key": from the log gates `g` [C, K] float32, `b` [C, K] (running sum) and `tail`
+    [C, K] = b_last - b (the sum of the gates after each token); "head": `col` [C, 1] and
+    `row` [1, C], the sums computed outside the kernels; "none".
+    """
 
-    @property
+    def __init__(self, kind: str, *, g=None, col=None, row=None):
+        self.kind, self.g, self.col, self.row = kind, g, col, row
+
+    @functools.cached_property
+    def b(self):
+        return running_sum(self.g)
+
+    @functools.cached_property
+    def tail(self):
+        """b_last - b_j from a reverse running sum, not from the difference of two forward sums:
+        near the chunk's end, where the decay exp(b_last - b_j) is not negligible, it is then a
+        sum of a few gates, free of the rounding of the large b."""
+        return running_sum(self.g, reverse=True) - self.g
+
+    @functools.cached_property
     def last(self):
         """b at the chunk's last token: [1, K] ("key"), [1, 1] ("head"), None ("none")."""
         if self.kind == "key":
-            return self.b[-1:, :]
+            return jnp.sum(self.g, axis=0, keepdims=True)
         if self.kind == "head":
             return self.col[-1:, :]
         return None
@@ -60,7 +119,7 @@ class Gate:
     def to_end(self):
         """exp(b_last - b_j): decay from token j to the chunk end, [C, K] or [C, 1]."""
         if self.kind == "key":
-            return jnp.exp(self.last - self.b)
+            return jnp.exp(self.tail)
         if self.kind == "head":
             return jnp.exp(self.last - self.col)
         return None

@@ -123,6 +123,14 @@ class ChunkConfig:
     def num_v_blocks(self) -> int:
         return self.value_dim // self.block_v
 
+    @property
+    def key_grad_dtype(self):
+        """dtype in which the backward kernels write dq and dk: the input dtype where one V block
+        makes them whole and no gate gradient outside the kernels reads them (per-head gates sum
+        q*dq - k*dk over K in XLA), float32 partial sums otherwise."""
+        direct = self.num_v_blocks == 1 and self.gate_kind != "head"
+        return self.dtype if direct else jnp.dtype(jnp.float32)
+
 
 def seq_shape(b: int, t: int, h: int, d: int):
     """Shape of `seq_pack` of a [B, T, H, D] array."""
@@ -147,13 +155,15 @@ def seq_unpack(y, num_heads: int, d: int):
     return jnp.transpose(y, (0, 2, 1, 3))
 
 
-def chunk_kernel_arrays(cfg, q, k, v, bsum, s0, rel):
-    """Arrays in the layouts the kernels read (docs/gla_mosaic_tpu.md)."""
+def chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel):
+    """Arrays in the layouts the kernels read (docs/gla_mosaic_tpu.md). `gates`: per-key log
+    gates g [B, T, H, K] float32 (the kernels take their sums), per-head chunk-local sums
+    [B, T, H] float32, or None."""
     arrays = {"q": seq_pack(q), "k": seq_pack(k), "v": seq_pack(v)}
     if cfg.gate_kind == "key":
-        arrays["b"] = seq_pack(bsum)
+        arrays["g"] = seq_pack(gates)
     elif cfg.gate_kind == "head":
-        bh = jnp.transpose(bsum, (0, 2, 1))  # [B, H, T]
+        bh = jnp.transpose(gates, (0, 2, 1))  # [B, H, T]
         arrays["bcol"] = bh[..., None]
         arrays["brow"] = bh.reshape(cfg.batch, cfg.num_heads, cfg.num_chunks, 1, cfg.chunk)
     if rel is not None:

@@ -1,10 +1,10 @@
 """custom_vjp wiring of the Mosaic TPU GLA kernels: the chunked modes and fused_recurrent.
 
-Chunked modes (docs/gla_mosaic_tpu.md): the custom_vjp's inputs are (q, k, v, b, initial state)
-with b the chunk-local gate sums computed outside the kernels; JAX's autodiff of that cumsum turns
-db into dg. db = q*dq - k*dk + (at each chunk's last token) an "edge" row the backward kernels
-return beside dq, dk, dv; d initial state comes from the kernel that materializes the state
-cotangents. "fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs /
+Chunked modes (docs/gla_mosaic_tpu.md): the custom_vjp's inputs are (q, k, v, gates, initial
+state). Per-key gates enter as g: the kernels take its chunk-local sums b and return dg. Per-head
+gates enter as b, summed outside the kernels, and JAX's autodiff of that sum turns db into dg;
+db = sum_K (q*dq - k*dk) + (at each chunk's last token) an "edge" row the backward kernels return
+beside dq, dk, dv. d initial state comes from the kernel that materializes the state cotangents. "fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs /
 states + dstates + bwd_chunk (kernels_chunk.py).
 
 fused_recurrent (docs/gla_mosaic_tpu_recurrent.md): the forward kernel, or the decode kernel at
@@ -33,16 +33,17 @@ from gla_tpu.ops.gla.mosaic_tpu.plan import (
 )
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def chunked(cfg, mode, interpret, q, k, v, bsum, s0, rel):
+def chunked(cfg, mode, interpret, q, k, v, gates, s0, rel):
     """(o [B, Tp, H, V], final state [B, H, K, V] float32) of the chunked modes from padded q, k, v,
-    the chunk-local gate sums bsum [B, Tp, H, K] / [B, Tp, H] float32 or None, the initial state
-    or None, and the relative segment index rel [B, Tp] or None."""
-    (o, final), _ = _core_fwd(cfg, mode, interpret, q, k, v, bsum, s0, rel)
+    the gates (per-key log gates [B, Tp, H, K] float32, per-head chunk-local sums [B, Tp, H]
+    float32, or None), the initial state or None, and the relative segment index rel [B, Tp] or
+    None."""
+    (o, final), _ = _core_fwd(cfg, mode, interpret, q, k, v, gates, s0, rel)
     return o, final
 
 
-def _core_fwd(cfg, mode, interpret, q, k, v, bsum, s0, rel):
-    arrays = chunk_kernel_arrays(cfg, q, k, v, bsum, s0, rel)
+def _core_fwd(cfg, mode, interpret, q, k, v, gates, s0, rel):
+    arrays = chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel)
     if mode == "fused_chunk":
         out = kernels_chunk.run(cfg, "fused_fwd", arrays, interpret=interpret)
     else:
@@ -52,13 +53,13 @@ def _core_fwd(cfg, mode, interpret, q, k, v, bsum, s0, rel):
         out["final"] = states["final"]
     o = seq_unpack(out["o"], cfg.num_heads, cfg.value_dim)
     final = transpose_state(out["final"])
-    return (o, final), (q, k, v, bsum, s0, rel)
+    return (o, final), (q, k, v, gates, s0, rel)
 
 
 def _core_bwd(cfg, mode, interpret, residuals, cotangents):
-    q, k, v, bsum, s0, rel = residuals
+    q, k, v, gates, s0, rel = residuals
     do, dfinal = cotangents
-    arrays = chunk_kernel_arrays(cfg, q, k, v, bsum, s0, rel)
+    arrays = chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel)
     arrays["do"] = seq_pack(do.astype(cfg.dtype))
     arrays["dfinal"] = transpose_state(dfinal.astype(jnp.float32))
     dstates = kernels_chunk.run(cfg, "dstates", arrays, interpret=interpret)
@@ -68,12 +69,23 @@ def _core_bwd(cfg, mode, interpret, residuals, cotangents):
     else:
         arrays["states"] = kernels_chunk.run(cfg, "states", arrays, interpret=interpret)["states"]
         grads = kernels_chunk.run(cfg, "bwd_chunk", arrays, interpret=interpret)
-    # Partial sums over V blocks, head-major float32 -> [B, T, H, K].
-    dq, dk = (jnp.transpose(jnp.sum(grads[x], axis=0), (0, 2, 1, 3)) for x in ("dq", "dk"))
+    dq, dk = (_whole_key_grad(cfg, grads[x]) for x in ("dq", "dk"))
     dv = seq_unpack(grads["dv"], cfg.num_heads, cfg.value_dim)
-    db = None if bsum is None else _gate_sum_grad(cfg, q, k, dq, dk, _rows(grads["edge"]))
+    if cfg.gate_kind == "key":
+        dgates = _whole_key_grad(cfg, grads["dg"])
+    elif cfg.gate_kind == "head":
+        dgates = _head_gate_sum_grad(cfg, q, k, dq, dk, _rows(grads["edge"]))
+    else:
+        dgates = None
     ds0 = None if s0 is None else transpose_state(dstates["ds0"])
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db, ds0, None)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, ds0, None)
+
+
+def _whole_key_grad(cfg, shares):
+    """[nV, *seq_shape] per-V-block shares of a [B, T, H, K] gradient -> their sum, [B, T, H, K]
+    (a free view when there is one V block and K is a multiple of 128)."""
+    whole = shares[0] if cfg.num_v_blocks == 1 else jnp.sum(shares, axis=0)
+    return seq_unpack(whole, cfg.num_heads, cfg.key_dim)
 
 
 def _rows(x):
@@ -81,23 +93,20 @@ def _rows(x):
     return jnp.transpose(jnp.sum(x, axis=(0, 4)), (0, 2, 1, 3))
 
 
-def _gate_sum_grad(cfg, q, k, dq, dk, edge):
-    """d loss / d b for the chunk-local gate sums b (docs/gla_mosaic_tpu.md, "dg").
+def _head_gate_sum_grad(cfg, q, k, dq, dk, edge):
+    """d loss / d b [B, T, H] for per-head chunk-local gate sums b (docs/gla_mosaic_tpu.md, "dg").
 
     Every term of o and of the states carries b as a factor exp(b_i) of q_i, exp(-b_j) of k_j, or
-    exp(b_last) of the whole state leaving a chunk; so db_t = q_t dq_t - k_t dk_t, plus at each
-    chunk's last token `edge` ([B, N, H, K]), which equals <S_out, dS_out> summed over V.
+    exp(b_last) of the whole state leaving a chunk; so db_t = sum_K (q_t dq_t - k_t dk_t), plus
+    at each chunk's last token `edge` ([B, N, H, K], summed over K), which equals <S_out, dS_out>.
+    Per-key gates do the same per key inside the kernels (`kernels_chunk_tile.gate_grad_per_key`).
     """
     b, t, h = cfg.batch, cfg.seq_len, cfg.num_heads
     n, c = cfg.num_chunks, cfg.chunk
     u = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk  # [B, T, H, K]
-    if cfg.gate_kind == "head":
-        u = jnp.sum(u, axis=-1, keepdims=True)
-        edge = jnp.sum(edge, axis=-1, keepdims=True)
-    u = u.reshape(b, n, c, h, u.shape[-1])
-    last_row = u[:, :, -1] + edge
-    db = jnp.concatenate([u[:, :, :-1], last_row[:, :, None]], axis=2).reshape(b, t, h, -1)
-    return db if cfg.gate_kind == "key" else db[..., 0]
+    u = jnp.sum(u, axis=-1).reshape(b, n, c, h)
+    last_row = u[:, :, -1] + jnp.sum(edge, axis=-1)
+    return jnp.concatenate([u[:, :, :-1], last_row[:, :, None]], axis=2).reshape(b, t, h)
 
 
 chunked.defvjp(_core_fwd, _core_bwd)
