@@ -266,7 +266,8 @@ def diagonal_blocks(q, k, b, seg: Segments | None, *, v=None, do_scaled=None):
         v_i = v[sub].astype(f32)  # [s, bv]
         mask = _diagonal_mask(s, i_sub * s, seg)  # [s, s, 1]
         decay = jnp.exp(jnp.minimum(b_i[:, None, :] - b_i[None, :, :], 0.0))  # [s, s, K]
-        a = jnp.sum(q_i[:, None, :] * k_i[None, :, :] * decay, axis=-1, keepdims=True)
+        q_decay = q_i[:, None, :] * decay  # [s, s, K], reused by dk
+        a = jnp.sum(q_decay * k_i[None, :, :], axis=-1, keepdims=True)
         a = jnp.where(mask, a, 0.0)  # [s, s, 1]: query i, key j
         if do_scaled is None:
             rows["out"].append(jnp.sum(a * v_i[None, :, :], axis=1))  # [s, bv]
@@ -276,7 +277,7 @@ def diagonal_blocks(q, k, b, seg: Segments | None, *, v=None, do_scaled=None):
         da = jnp.where(mask, da, 0.0)  # [s, s, 1]
         rows["dv"].append(jnp.sum(a * do_i[:, None, :], axis=0))  # [s, bv]
         rows["dq"].append(jnp.sum(da * k_i[None, :, :] * decay, axis=1))  # [s, K]
-        rows["dk"].append(jnp.sum(da * q_i[:, None, :] * decay, axis=0))  # [s, K]
+        rows["dk"].append(jnp.sum(da * q_decay, axis=0))  # [s, K]
     return {name: jnp.concatenate(r, axis=0) for name, r in rows.items() if r}
 
 
