@@ -26,6 +26,7 @@ from gla_tpu.ops.gla.mosaic_tpu.plan import (
     MIN_HEAD_DIM,
     BlockSizes,
     ChunkConfig,
+    chunks_per_grid_step,
     recurrent_plan,
 )
 from gla_tpu.ops.gla.validation import GATE_KINDS, RESOLVED_MODES
@@ -113,6 +114,7 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
         block_v=block_sizes.resolve_block_v(vd), gate_kind=problem.gate_kind,
         has_segments=rel is not None, has_initial_state=initial_state is not None,
         scale=float(problem.scale), dtype=jnp.dtype(q.dtype),
+        chunks_per_step=chunks_per_grid_step(tp // c, c, kd, vd),
     )
     with jax.named_scope(f"gla_mosaic_tpu_{problem.mode}"):
         o, final = vjp.chunked(cfg, problem.mode, interpret, q_p, k_p, v_p, gates,

@@ -34,55 +34,62 @@ _REVERSED = frozenset({"dstates"})
 _PARALLEL = frozenset({"outputs", "bwd_chunk"})
 
 
-def _seq_spec(d: int, block: int, c: int, chunk_of):
-    """BlockSpec of a `seq_pack`ed array: one chunk of one head, one `block` of its D columns."""
+# Arrays with one row per token (blocks of G*C rows); the others hold one entry per chunk (blocks
+# of G entries on a leading axis).
+_TOKEN_ROWS = frozenset({"q", "k", "g", "v", "do", "o", "dv", "dq", "dk", "dg", "bcol", "segcol"})
+
+
+def _seq_spec(d: int, block: int, rows: int, step_of):
+    """BlockSpec of a `seq_pack`ed array: `rows` tokens of one head, one `block` of its D columns."""
     if d % LANES == 0:
         per_head = d // block
         return pl.BlockSpec(
-            (None, c, block),
-            lambda bi, hi, vi, ni: (bi, chunk_of(ni), hi * per_head + vi % per_head))
-    return pl.BlockSpec((None, None, c, d), lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0))
+            (None, rows, block),
+            lambda bi, hi, vi, ni: (bi, step_of(ni), hi * per_head + vi % per_head))
+    return pl.BlockSpec((None, None, rows, d), lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0))
 
 
-def _partial_spec(d: int, c: int, chunk_of):
-    """BlockSpec of a per-V-block share of a [B, T, H, D] gradient, [nV, *seq_shape]: one chunk
-    of one head (the layout of `_seq_spec` behind a leading V-block axis)."""
+def _partial_spec(d: int, rows: int, step_of):
+    """BlockSpec of a per-V-block share of a [B, T, H, D] gradient, [nV, *seq_shape]: `rows`
+    tokens of one head (the layout of `_seq_spec` behind a leading V-block axis)."""
     if d % LANES == 0:
-        return pl.BlockSpec((None, None, c, d), lambda bi, hi, vi, ni: (vi, bi, chunk_of(ni), hi))
-    return pl.BlockSpec((None, None, None, c, d),
-                        lambda bi, hi, vi, ni: (vi, bi, hi, chunk_of(ni), 0))
+        return pl.BlockSpec((None, None, rows, d), lambda bi, hi, vi, ni: (vi, bi, step_of(ni), hi))
+    return pl.BlockSpec((None, None, None, rows, d),
+                        lambda bi, hi, vi, ni: (vi, bi, hi, step_of(ni), 0))
 
 
-def _specs(cfg: ChunkConfig, chunk_of):
-    c, kd, bv = cfg.chunk, cfg.key_dim, cfg.block_v
+def _specs(cfg: ChunkConfig, step_of):
+    """BlockSpecs of every kernel array for one grid step: G = cfg.chunks_per_step chunks."""
+    c, kd, bv, g = cfg.chunk, cfg.key_dim, cfg.block_v, cfg.chunks_per_step
+    rows = g * c
     return {
-        "q": _seq_spec(kd, kd, c, chunk_of),
-        "k": _seq_spec(kd, kd, c, chunk_of),
-        "g": _seq_spec(kd, kd, c, chunk_of),  # per-key log gates, float32
-        "v": _seq_spec(cfg.value_dim, bv, c, chunk_of),
-        "do": _seq_spec(cfg.value_dim, bv, c, chunk_of),
-        "o": _seq_spec(cfg.value_dim, bv, c, chunk_of),
-        "dv": _seq_spec(cfg.value_dim, bv, c, chunk_of),
+        "q": _seq_spec(kd, kd, rows, step_of),
+        "k": _seq_spec(kd, kd, rows, step_of),
+        "g": _seq_spec(kd, kd, rows, step_of),  # per-key log gates, float32
+        "v": _seq_spec(cfg.value_dim, bv, rows, step_of),
+        "do": _seq_spec(cfg.value_dim, bv, rows, step_of),
+        "o": _seq_spec(cfg.value_dim, bv, rows, step_of),
+        "dv": _seq_spec(cfg.value_dim, bv, rows, step_of),
         # Per-head gate sums as a column [B, H, T, 1] and as rows [B, H, N, 1, C].
-        "bcol": pl.BlockSpec((None, None, c, 1), lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0)),
-        "brow": pl.BlockSpec((None, None, None, 1, c),
-                             lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), 0, 0)),
+        "bcol": pl.BlockSpec((None, None, rows, 1),
+                             lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0)),
+        "brow": pl.BlockSpec((None, None, g, 1, c),
+                             lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0, 0)),
         # Relative segment index as a column [B, T, 1] and as rows [B, N, 1, C].
-        "segcol": pl.BlockSpec((None, c, 1), lambda bi, hi, vi, ni: (bi, chunk_of(ni), 0)),
-        "segrow": pl.BlockSpec((None, None, 1, c), lambda bi, hi, vi, ni: (bi, chunk_of(ni), 0, 0)),
+        "segcol": pl.BlockSpec((None, rows, 1), lambda bi, hi, vi, ni: (bi, step_of(ni), 0)),
+        "segrow": pl.BlockSpec((None, g, 1, c), lambda bi, hi, vi, ni: (bi, step_of(ni), 0, 0)),
         # One [bv, K] block of a transposed state [B, H, V, K] (s0, final, their cotangents).
         **{name: pl.BlockSpec((None, None, bv, kd), lambda bi, hi, vi, ni: (bi, hi, vi, 0))
            for name in ("s0", "final", "dfinal", "ds0")},
         # Materialized per-chunk states [B, H, N, V, K] and their cotangents.
-        **{name: pl.BlockSpec((None, None, None, bv, kd),
-                              lambda bi, hi, vi, ni: (bi, hi, chunk_of(ni), vi, 0))
+        **{name: pl.BlockSpec((None, None, g, bv, kd),
+                              lambda bi, hi, vi, ni: (bi, hi, step_of(ni), vi, 0))
            for name in ("states", "dstates")},
         # Per-V-block shares of dq, dk and per-key dg.
-        **{name: _partial_spec(kd, c, chunk_of) for name in ("dq", "dk", "dg")},
+        **{name: _partial_spec(kd, rows, step_of) for name in ("dq", "dk", "dg")},
         # Per-chunk, per-V-block [1, K] rows for the gate gradient: [nV, B, H, N, 1, K] float32.
-        **{name: pl.BlockSpec((None, None, None, None, 1, kd),
-                              lambda bi, hi, vi, ni: (vi, bi, hi, chunk_of(ni), 0, 0))
-           for name in ("edge",)},
+        "edge": pl.BlockSpec((None, None, None, g, 1, kd),
+                             lambda bi, hi, vi, ni: (vi, bi, hi, step_of(ni), 0, 0)),
     }
 
 
@@ -148,9 +155,9 @@ def run(cfg: ChunkConfig, role: str, arrays: dict, *, interpret=False):
     """Runs one kernel role on kernel-layout `arrays` (name -> array); returns name -> output."""
     in_names = _inputs(cfg, role)
     out_shapes = _outputs(cfg, role)
-    n = cfg.num_chunks
-    chunk_of = (lambda ni: n - 1 - ni) if role in _REVERSED else (lambda ni: ni)
-    specs = _specs(cfg, chunk_of)
+    n = cfg.num_steps
+    step_of = (lambda ni: n - 1 - ni) if role in _REVERSED else (lambda ni: ni)
+    specs = _specs(cfg, step_of)
     last = "parallel" if role in _PARALLEL else "arbitrary"
     name = f"gla_{role}_C{cfg.chunk}_bv{cfg.block_v}_{cfg.gate_kind}"
     kernel = functools.partial(_kernel, cfg, role, tuple(in_names), tuple(out_shapes))
@@ -172,11 +179,45 @@ def run(cfg: ChunkConfig, role: str, arrays: dict, *, interpret=False):
 
 
 def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
+    """One grid step: G = cfg.chunks_per_step chunks in order (reverse order for the reversed
+    roles), the carried state passed from chunk to chunk through the VMEM scratch."""
     n_in, n_out = len(in_names), len(out_names)
     r = dict(zip(in_names, refs[:n_in]))
     r.update(zip(out_names, refs[n_in:n_in + n_out]))
     carry = refs[n_in + n_out] if len(refs) > n_in + n_out else None
     step, last = pl.program_id(3), pl.num_programs(3) - 1
+    g = cfg.chunks_per_step
+
+    if carry is not None:
+        first_source = "dfinal" if role in _REVERSED else ("s0" if cfg.has_initial_state else None)
+
+        @pl.when(step == 0)
+        def _init():
+            if first_source is None:
+                carry[...] = jnp.zeros(carry.shape, jnp.float32)
+            else:
+                carry[...] = r[first_source][...]
+
+    def one_chunk(j, _):
+        chunk = g - 1 - j if role in _REVERSED else j
+        rows = pl.ds(pl.multiple_of(chunk * cfg.chunk, cfg.chunk), cfg.chunk)
+        views = {name: (ref.at[rows] if name in _TOKEN_ROWS else ref.at[chunk])
+                 for name, ref in r.items() if name not in ("s0", "final", "dfinal", "ds0")}
+        _chunk_step(cfg, role, views, carry)
+        return 0
+
+    jax.lax.fori_loop(0, g, one_chunk, 0)
+    # The carried value after the last chunk: final state, or d initial state when reversed.
+    end = "ds0" if role in _REVERSED else "final"
+    if carry is not None and end in r:
+        @pl.when(step == last)
+        def _finish():
+            r[end][...] = carry[...]
+
+
+def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
+    """One chunk of one role; `r` maps names to refs of this chunk's slice, `carry` is the VMEM
+    scratch of the carried state (or its cotangent), read here and overwritten with the next."""
     dt = cfg.dtype
 
     def load(name):
@@ -190,16 +231,6 @@ def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
         gate = tile.Gate("none")
     seg = tile.Segments(load("segcol"), load("segrow")) if cfg.has_segments else None
     do = None if "do" not in r else r["do"][...].astype(jnp.float32) * cfg.scale
-
-    if carry is not None:
-        first_source = "dfinal" if role in _REVERSED else ("s0" if cfg.has_initial_state else None)
-
-        @pl.when(step == 0)
-        def _init():
-            if first_source is None:
-                carry[...] = jnp.zeros(carry.shape, jnp.float32)
-            else:
-                carry[...] = r[first_source][...]
 
     q, k, v = load("q"), load("k"), load("v")
     if role == "fused_fwd":
@@ -234,9 +265,3 @@ def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
     else:
         raise ValueError(f"unknown kernel role {role!r}")
     carry[...] = nxt
-    # The carried value after the last chunk: final state, or d initial state when reversed.
-    end = "ds0" if role in _REVERSED else "final"
-    if end in r:
-        @pl.when(step == last)
-        def _finish():
-            r[end][...] = nxt

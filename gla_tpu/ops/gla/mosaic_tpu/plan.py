@@ -114,10 +114,15 @@ class ChunkConfig:
     has_initial_state: bool
     scale: float
     dtype: jnp.dtype
+    chunks_per_step: int = 1  # G: chunks one grid step walks (`chunks_per_grid_step`)
 
     @property
     def num_chunks(self) -> int:
         return self.seq_len // self.chunk
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_chunks // self.chunks_per_step
 
     @property
     def num_v_blocks(self) -> int:
@@ -130,6 +135,24 @@ class ChunkConfig:
         q*dq - k*dk over K in XLA), float32 partial sums otherwise."""
         direct = self.num_v_blocks == 1 and self.gate_kind != "head"
         return self.dtype if direct else jnp.dtype(jnp.float32)
+
+
+# Tokens one grid step of the chunked kernels covers at most, by the larger of K and V (the
+# blocks, and so VMEM, grow with both). A grid step costs about 0.35 us of fixed overhead on TPU:
+# at one chunk of 128 tokens a step, the states kernel was mostly that overhead
+# (docs/gla_mosaic_tpu.md, "Chunks per grid step").
+_TOKENS_PER_STEP = ((128, 512), (256, 256))
+
+
+def chunks_per_grid_step(num_chunks: int, chunk: int, key_dim: int, value_dim: int) -> int:
+    """G, the number of chunks one grid step of the chunked kernels walks: the largest power of
+    two that divides num_chunks and keeps G * chunk within the token budget for max(K, V)."""
+    widest = max(key_dim, value_dim)
+    budget = next((tokens for dim, tokens in _TOKENS_PER_STEP if widest <= dim), chunk)
+    g = 1
+    while num_chunks % (2 * g) == 0 and 2 * g * chunk <= budget:
+        g *= 2
+    return g
 
 
 def seq_shape(b: int, t: int, h: int, d: int):
