@@ -1,7 +1,8 @@
 """Pallas TPU kernels of chunked GLA and their `pallas_call` builders.
 
-Every kernel walks a grid (batch, head, V block, chunk) and applies pieces of
-`kernels_chunk_tile` to one chunk. The kernels ("roles") are:
+Every kernel walks a grid (batch, head, V block, block of G chunks) and, within a grid step,
+applies pieces of `kernels_chunk_tile` to each of its G chunks in turn
+(`plan.chunks_per_grid_step`). The kernels ("roles") are:
 
   fused_fwd   sequential over chunks, state in VMEM scratch: outputs and final state.
   states      sequential: the state entering every chunk, materialized, and the final state.
