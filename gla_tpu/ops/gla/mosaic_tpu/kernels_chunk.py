@@ -38,10 +38,13 @@ _PARALLEL = frozenset({"outputs", "bwd_chunk"})
 # Arrays with one row per token (blocks of G*C rows); the others hold one entry per chunk (blocks
 # of G entries on a leading axis).
 _TOKEN_ROWS = frozenset({"q", "k", "g", "v", "do", "o", "dv", "dq", "dk", "dg", "bcol", "segcol"})
+# Whole [bv, K] states (initial, final and their cotangents): one block per grid row, not per chunk.
+_WHOLE_STATES = ("s0", "final", "dfinal", "ds0")
 
 
 def _seq_spec(d: int, block: int, rows: int, step_of):
-    """BlockSpec of a `seq_pack`ed array: `rows` tokens of one head, one `block` of its D columns."""
+    """BlockSpec of a `seq_pack`ed array: `rows` tokens of one head, one `block` of its D
+    columns."""
     if d % LANES == 0:
         per_head = d // block
         return pl.BlockSpec(
@@ -81,7 +84,7 @@ def _specs(cfg: ChunkConfig, step_of):
         "segrow": pl.BlockSpec((None, g, 1, c), lambda bi, hi, vi, ni: (bi, step_of(ni), 0, 0)),
         # One [bv, K] block of a transposed state [B, H, V, K] (s0, final, their cotangents).
         **{name: pl.BlockSpec((None, None, bv, kd), lambda bi, hi, vi, ni: (bi, hi, vi, 0))
-           for name in ("s0", "final", "dfinal", "ds0")},
+           for name in _WHOLE_STATES},
         # Materialized per-chunk states [B, H, N, V, K] and their cotangents.
         **{name: pl.BlockSpec((None, None, g, bv, kd),
                               lambda bi, hi, vi, ni: (bi, hi, step_of(ni), vi, 0))
@@ -203,7 +206,7 @@ def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
         chunk = g - 1 - j if role in _REVERSED else j
         rows = pl.ds(pl.multiple_of(chunk * cfg.chunk, cfg.chunk), cfg.chunk)
         views = {name: (ref.at[rows] if name in _TOKEN_ROWS else ref.at[chunk])
-                 for name, ref in r.items() if name not in ("s0", "final", "dfinal", "ds0")}
+                 for name, ref in r.items() if name not in _WHOLE_STATES}
         _chunk_step(cfg, role, views, carry)
         return 0
 

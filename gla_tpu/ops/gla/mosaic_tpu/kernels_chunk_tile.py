@@ -2,8 +2,9 @@
 
 Notation of docs/gla_math.md and docs/gla_mosaic_tpu.md: a chunk holds C tokens; q, k [C, K],
 v and dO [C, bv] (one block of V); b is the chunk-local inclusive running sum of the log gates
-(per-key gates: `running_sum` of g inside the kernels; per-head gates: computed outside); the state is held transposed, ST = S^T [bv, K] float32, so that
-every product below is a plain, A @ B^T or A^T @ B matmul and no in-kernel transpose is needed.
+(per-key gates: `running_sum` of g inside the kernels; per-head gates: computed outside); the
+state is held transposed, ST = S^T [bv, K] float32, so that every product below is a plain,
+A @ B^T or A^T @ B matmul and no in-kernel transpose is needed.
 
 Every exponential is of a non-positive difference of gate sums; a difference that would be
 positive is masked *before* `exp`, so no inf ever meets a zero mask.

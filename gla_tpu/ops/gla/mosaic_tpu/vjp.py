@@ -4,8 +4,9 @@ Chunked modes (docs/gla_mosaic_tpu.md): the custom_vjp's inputs are (q, k, v, ga
 state). Per-key gates enter as g: the kernels take its chunk-local sums b and return dg. Per-head
 gates enter as b, summed outside the kernels, and JAX's autodiff of that sum turns db into dg;
 db = sum_K (q*dq - k*dk) + (at each chunk's last token) an "edge" row the backward kernels return
-beside dq, dk, dv. d initial state comes from the kernel that materializes the state cotangents. "fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs /
-states + dstates + bwd_chunk (kernels_chunk.py).
+beside dq, dk, dv. d initial state comes from the kernel that materializes the state cotangents.
+"fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs / states + dstates +
+bwd_chunk (kernels_chunk.py).
 
 fused_recurrent (docs/gla_mosaic_tpu_recurrent.md): the forward kernel, or the decode kernel at
 T = 1; the backward reruns the forward to checkpoint the state at every time block, then the
