@@ -475,14 +475,14 @@ def calibration_specs() -> list[Spec]:
 
 
 def crossover_specs(generations: list[str]) -> list[Spec]:
-    """Our GLA chunk (per-key gates, K = V = 128) against our causal flash attention (D = 128),
-    forward+backward, B1 H8, over T."""
+    """Our chunked GLA in both modes (per-key gates, K = V = 128) against our causal flash
+    attention (D = 128), forward+backward, B1 H8, over T."""
     out = []
     for gen in generations:
         for t in CROSSOVER_T:
             out.append(Spec("attention", "gla_tpu", (1, 8, t, 128, True), gen, "fwd_bwd"))
-            out.append(Spec("gla", "gla_tpu", (1, t, 8, 128, 128, "key", "chunk"), gen,
-                            "fwd_bwd"))
+            out += [Spec("gla", "gla_tpu", (1, t, 8, 128, 128, "key", mode), gen, "fwd_bwd")
+                    for mode in ("chunk", "fused_chunk")]
     return out
 
 
