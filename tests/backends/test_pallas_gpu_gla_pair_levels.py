@@ -105,10 +105,11 @@ def test_interpret_parity_segments():
                      interpret=True, block_sizes=PAIR_LEVELS)
 
 
-# Per-head and absent gates train on the same kernels, broadcast over K (dg summed back over K by
-# autodiff of the broadcast).
+# Per-head and absent gates train on the same kernels, which read [B, T, H] gates (one per head,
+# for every key) and sum dg over each key slab; K = 200 pads to two groups of 128 keys, each two
+# slabs, so dg is summed over slabs and groups.
 @pytest.mark.parametrize("case", [
-    GLACase(1, 70, 2, 64, 64, gate="head", initial_state=True),
+    GLACase(1, 70, 1, 200, 64, gate="head", initial_state=True),
     GLACase(1, 70, 1, 64, 128, gate="none"),
 ], ids=str)
 def test_interpret_parity_per_head_and_no_gate(case):
@@ -135,6 +136,7 @@ GPU_CASES = [
     (GLACase(2, 2000, 2, 128, 128, gate="key", initial_state=True, segments=True), jnp.bfloat16),
     (GLACase(1, 4096, 2, 128, 128, gate="head", gate_strength=16.0, segments=True),
      jnp.bfloat16),
+    (GLACase(2, 1000, 2, 256, 128, gate="head", initial_state=True), jnp.bfloat16),
 ]
 
 

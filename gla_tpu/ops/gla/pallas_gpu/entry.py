@@ -77,26 +77,25 @@ RESET_LOG_GATE = -1000.0
 
 
 def reset_at_segment_starts(gates, start):
-    """gates [B, Tp, H, K] float32 with RESET_LOG_GATE where start [B, Tp] is 1: segment_ids as
-    gates. The gate at a segment start multiplies a state the reset zeroes, so its gradient is 0,
-    which autodiff of the `where` gives."""
-    return jnp.where(start[:, :, None, None] > 0, RESET_LOG_GATE, gates)
+    """gates [B, Tp, H, K] or [B, Tp, H] float32 with RESET_LOG_GATE where start [B, Tp] is 1:
+    segment_ids as gates. The gate at a segment start multiplies a state the reset zeroes, so its
+    gradient is 0, which autodiff of the `where` gives."""
+    start = start.reshape(start.shape + (1,) * (gates.ndim - 2))
+    return jnp.where(start > 0, RESET_LOG_GATE, gates)
 
 
 def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     kp, vp = padded_dim(kd), padded_dim(vd)
-    if g is None:
-        gates = jnp.zeros((b, t, h, kd), jnp.float32)
-    elif g.ndim == 3:
-        gates = jnp.broadcast_to(g.astype(jnp.float32)[..., None], (b, t, h, kd))
-    else:
-        gates = g.astype(jnp.float32)
+    # per-key gates [B, T, H, K]; per-head (and absent) gates [B, T, H], broadcast over K below
+    # for the kernels that need it
+    gates = jnp.zeros((b, t, h), jnp.float32) if g is None else g.astype(jnp.float32)
     # zero q, k, v and zero log gates past T or past K, V leave outputs and states unchanged
     few_tokens = t <= MAX_RECURRENT_T and segment_ids is None
     time_block = 1 << (t - 1).bit_length() if few_tokens else CHUNK
-    qp, kp_, gp = (pad_time(pad_last(x, kp), time_block) for x in (q, k, gates))
+    qp, kp_ = (pad_time(pad_last(x, kp), time_block) for x in (q, k))
+    gp = pad_time(gates if gates.ndim == 3 else pad_last(gates, kp), time_block)
     vpad = pad_time(pad_last(v, vp), time_block)
     s0 = None
     if initial_state is not None:
@@ -125,17 +124,23 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
                 gp = reset_at_segment_starts(gp, start)
             qp, kp_, gp, vpad = (pad_time(x, CHUNK * geo.mosaic_splits)
                                  for x in (qp, kp_, gp, vpad))
-            # groups of keys as virtual heads [B, Tp, H * G, K / G] (zero-copy reshapes)
+            # groups of keys as virtual heads [B, Tp, H * G, K / G] (zero-copy reshapes); a
+            # per-head gate is every group's
             heads, keys = h * geo.key_groups, kp // geo.key_groups
-            qp, kp_, gp = (x.reshape(*x.shape[:2], heads, keys) for x in (qp, kp_, gp))
+            qp, kp_ = (x.reshape(*x.shape[:2], heads, keys) for x in (qp, kp_))
+            gp = (jnp.repeat(gp, geo.key_groups, axis=2) if per_head
+                  else gp.reshape(*gp.shape[:2], heads, keys))
             s0 = None if s0 is None else s0.reshape(b, heads, keys, vp)
             o, final = vjp.mosaic_chunked(qp, kp_, vpad, gp, s0, geo, bool(interpret))
             final = final.reshape(b, h, kp, vp)
-        elif few_tokens:
-            o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
         else:
-            o, final = vjp.chunked(qp, kp_, vpad, gp, s0, seg, reach, last, keep, start, geo,
-                                bool(interpret))
+            if per_head:
+                gp = jnp.broadcast_to(gp[..., None], qp.shape[:3] + (kp,))
+            if few_tokens:
+                o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
+            else:
+                o, final = vjp.chunked(qp, kp_, vpad, gp, s0, seg, reach, last, keep, start,
+                                       geo, bool(interpret))
     o = o[:, :t, :, :vd]
     final = final[:, :, :kd, :vd] if problem.output_final_state else None
     return o, final

@@ -50,6 +50,7 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     SLAB,
     T,
     cols,
+    head_major_gates,
     iota,
     level_operands,
     level_pairs,
@@ -94,12 +95,13 @@ def _diagonal(x):
 
 def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret,
                 groups: int = 1):
-    """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), g [B, Tp, H, K] float32 log gates, last
-    [B, N, H, K] float32 (b at each chunk's last token), h_hi and dh [B, N, H, K, V] 16-bit (the
-    state entering each chunk and the gradient of the state after it), term [B, N, H, K] float32
-    (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in q's dtype and dg [B, Tp, H, K] float32.
-    With key groups (kernels_mosaic_state.Pass.groups), H counts virtual heads and v, do have
-    H / groups heads."""
+    """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), g float32 log gates [B, Tp, H, K] (per
+    key) or [B, Tp, H] (per head), last [B, N, H, K] float32 (b at each chunk's last token), h_hi
+    and dh [B, N, H, K, V] 16-bit (the state entering each chunk and the gradient of the state
+    after it), term [B, N, H, K] float32 (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in q's dtype
+    and dg float32 in g's shape (per head: each slab's dg summed over its keys in the kernel, the
+    slabs by XLA). With key groups (kernels_mosaic_state.Pass.groups), H counts virtual heads and
+    v, do have H / groups heads."""
     bsz, tp, h, kd = q.shape
     vd = v.shape[-1]
     c, dtype = CHUNK, q.dtype
@@ -109,13 +111,15 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
                          f"V a multiple of {SLAB} up to {VALUE_TILES * SLAB}")
     levels = pair_levels.num_levels(c)
     shape = (c, SLAB)
+    per_head = g.ndim == 3
 
     def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, dq_ref,
-             dk_ref, dg_ref, q_s, k_s, parts, da_s, pool, vecs, loaded, tile_loaded,
-             *own_bf16):
+             dk_ref, dg_ref, q_s, k_s, parts, da_s, pool, vecs, loaded, tile_loaded, *extra):
+        # per-head gates: the chunk's gates in, then its dg summed over the slab's keys out
+        head_vec = extra[0] if per_head else None
         # bfloat16 tiles: the range matrix and the parts of the dg sums; within the pool (its
         # value-tile half, free after the first products) for bfloat16 inputs
-        bpool = own_bf16[0] if own_bf16 else pool.at[4:8]
+        bpool = extra[-1] if dtype != BF16 else pool.at[4:8]
         flat, head, batch = (lax.axis_index(x) for x in ("chunk_slab", "head", "batch"))
         chunk, slab = lax.div(flat, jnp.int32(slabs)), lax.rem(flat, jnp.int32(slabs))
         kcols = pl.ds(slab * SLAB, SLAB)
@@ -136,8 +140,13 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
 
         for j in range(min(vtiles, 2)):
             load_tile(j)
-        store_gate_parts(g_ref.at[tokens + (kcols,)], parts, 1)
-        plgpu.barrier_wait(loaded)
+        if per_head:
+            plgpu.copy_gmem_to_smem(g_ref.at[batch, head, pl.ds(chunk * c, c)], head_vec, loaded)
+            plgpu.barrier_wait(loaded)
+            store_gate_parts(head_vec, parts, 1)
+        else:
+            store_gate_parts(g_ref.at[tokens + (kcols,)], parts, 1)
+            plgpu.barrier_wait(loaded)
 
         # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T, summed over value tiles
         da = q_inter = k_inter = None
@@ -202,10 +211,15 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         store_parts(cancel, y_parts)
         plgpu.commit_smem()
         dg = matmul([(ranges, part) for part in y_parts], shape, interpret=interpret, init=dg)
-        dg_ref.at[tokens + (kcols,)][...] = dg
+        if per_head:
+            head_vec[...] = jnp.sum(dg, axis=1)
+        else:
+            dg_ref.at[tokens + (kcols,)][...] = dg
         q_s[...] = grad_q.astype(dtype)
         k_s[...] = grad_k.astype(dtype)
         plgpu.commit_smem()
+        if per_head:
+            plgpu.copy_smem_to_gmem(head_vec, dg_ref.at[batch, slab, head, pl.ds(chunk * c, c)])
         plgpu.copy_smem_to_gmem(q_s, dq_ref.at[tokens + (kcols,)])
         plgpu.copy_smem_to_gmem(k_s, dk_ref.at[tokens + (kcols,)])
         plgpu.wait_smem_to_gmem(0)
@@ -218,15 +232,20 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
         plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
         plgpu.SMEM((2, SLAB), F32),  # b_last, the state term
-        plgpu.Barrier(num_arrivals=4),  # q, k, b_last, the state term
+        # q, k, b_last, the state term (, per-head gates)
+        plgpu.Barrier(num_arrivals=5 if per_head else 4),
         plgpu.Barrier(num_arrivals=4, num_barriers=2),  # a value tile's four, per ring stage
     ]
+    if per_head:
+        scratch.append(plgpu.SMEM((c,), F32))
     if dtype != BF16:
         scratch.append(plgpu.SMEM((4, c, SLAB), BF16, transforms=SWIZZLED))
     token_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    # per-head dg: one [Tp] row per (batch, key slab, head), summed over the slabs below
+    dg_type = jax.ShapeDtypeStruct((bsz, slabs, h, tp) if per_head else q.shape, F32)
     kernel = plgpu.kernel(
         body,
-        out_type=[token_type, token_type, jax.ShapeDtypeStruct(q.shape, F32)],
+        out_type=[token_type, token_type, dg_type],
         scratch_types=scratch,
         grid=(n * slabs, h, bsz),
         grid_names=("chunk_slab", "head", "batch"),
@@ -235,4 +254,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
     )
     with jax.named_scope(f"gla_grads_mosaic_key_dim={kd}"):
-        return kernel(q, k, v, do, g, last, h_hi, dh, term)
+        dq, dk, dg = kernel(q, k, v, do, head_major_gates(g), last, h_hi, dh, term)
+    if per_head:
+        dg = jnp.swapaxes(jnp.sum(dg, axis=1), 1, 2)  # [B, Tp, H]
+    return dq, dk, dg

@@ -197,13 +197,28 @@ def upper_rows(level, shape):
 
 
 def store_gate_parts(g_view, parts, slabs: int):
-    """A chunk's gates g_view [C, slabs * SLAB] (a float32 view of global memory) into parts
-    [GATE_PARTS, slabs, C, SLAB] bfloat16 (hi, then the rest), through registers."""
+    """A chunk's gates into parts [GATE_PARTS, slabs, C, SLAB] bfloat16 (hi, then the rest),
+    through registers. g_view: per-key gates [C, slabs * SLAB] (a float32 view of global memory),
+    or per-head gates [C] (a float32 vector in shared memory), the same gate for every key."""
+    if len(g_view.shape) == 1:
+        g = rows(plgpu.load(g_view, layout=ROW), (CHUNK, SLAB))
+        hi = g.astype(BF16)
+        rest = (g - hi.astype(F32)).astype(BF16)
+        for slab in range(slabs):
+            parts.at[0, slab][...] = hi
+            parts.at[1, slab][...] = rest
+        return
     for slab in range(slabs):
         g = plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA, optimized=False)
         hi = g.astype(BF16)
         parts.at[0, slab][...] = hi
         parts.at[1, slab][...] = (g - hi.astype(F32)).astype(BF16)
+
+
+def head_major_gates(g):
+    """Per-head gates g [B, Tp, H] -> [B, H, Tp] (a chunk's gates contiguous, for one copy into
+    shared memory); per-key gates [B, Tp, H, K] unchanged."""
+    return jnp.swapaxes(g, 1, 2) if g.ndim == 3 else g
 
 
 def range_sums(ranges_smem, parts, slab: int, *, interpret: bool):
@@ -220,24 +235,31 @@ def level_operands(q, k, factor, upper, dtype):
 
 
 def prep(q, k, g, *, scale: float, interpret):
-    """q, k [B, Tp, H, K] (16-bit, Tp a multiple of 64, K a multiple of 64), g [B, Tp, H, K]
-    float32 log gates -> (A [B, Tp, H, C], qd, kd [B, Tp, H, K] in q's dtype, last [B, N, H, K]
-    float32): see the module docstring."""
+    """q, k [B, Tp, H, K] (16-bit, Tp a multiple of 64, K a multiple of 64), g float32 log gates
+    [B, Tp, H, K] (per key) or [B, Tp, H] (per head) -> (A [B, Tp, H, C], qd, kd [B, Tp, H, K] in
+    q's dtype, last [B, N, H, K] float32): see the module docstring."""
     bsz, tp, h, kd = q.shape
     c, dtype = CHUNK, q.dtype
     n, slabs = tp // c, kd // SLAB
     if tp % c or kd % SLAB:
         raise ValueError(f"padded T={tp} and K={kd} must be multiples of {c} and {SLAB}")
     levels = pair_levels.num_levels(c)
+    per_head = g.ndim == 3
 
     def body(q_ref, k_ref, g_ref, a_ref, qd_ref, kd_ref, last_ref, q_smem, k_smem, parts,
-             ranges, kops, stage, loaded):
+             ranges, kops, stage, loaded, *head_gates):
         chunk, head, batch = (lax.axis_index(x) for x in ("chunk", "head", "batch"))
         tokens = (batch, pl.ds(chunk * c, c), head)
         for src, dst in ((q_ref, q_smem), (k_ref, k_smem)):
             plgpu.copy_gmem_to_smem(src.at[tokens], dst, loaded)
-        store_gate_parts(g_ref.at[tokens], parts, slabs)
-        plgpu.barrier_wait(loaded)
+        if per_head:
+            plgpu.copy_gmem_to_smem(g_ref.at[batch, head, pl.ds(chunk * c, c)], head_gates[0],
+                                    loaded)
+            plgpu.barrier_wait(loaded)
+            store_gate_parts(head_gates[0], parts, slabs)
+        else:
+            store_gate_parts(g_ref.at[tokens], parts, slabs)
+            plgpu.barrier_wait(loaded)
 
         def level_step(level, scores):
             # after the last level's wgmmas, which read `ranges` and `kops`
@@ -293,8 +315,10 @@ def prep(q, k, g, *, scale: float, interpret):
         plgpu.SMEM((c, c), BF16, transforms=SWIZZLED),  # a range matrix
         plgpu.SMEM((slabs, c, SLAB), dtype, transforms=SWIZZLED),  # a level's key operands; A
         plgpu.SMEM((c, SLAB), F32),  # b of a slab (its last row goes out)
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=3 if per_head else 2),  # q, k (, per-head gates)
     ]
+    if per_head:
+        scratch.append(plgpu.SMEM((c,), F32))  # the chunk's per-head gates
     token_type = jax.ShapeDtypeStruct(q.shape, dtype)
     kernel = plgpu.kernel(
         body,
@@ -308,4 +332,4 @@ def prep(q, k, g, *, scale: float, interpret):
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
     )
     with jax.named_scope(f"gla_prep_mosaic_key_dim={kd}"):
-        return kernel(q, k, g)
+        return kernel(q, k, head_major_gates(g))

@@ -109,12 +109,13 @@ _REVERSED = Pass(reverse=True, outputs=True, store_parts=1, state_term=True)
 def mosaic_chunked(q, k, v, g, s0, geo, interpret):
     """(o [B, Tp, H, V], final state [B, H * G, K / G, V] float32) by the pair-level kernels,
     from inputs padded as for `chunked` (gates float32, segment ids already folded into them:
-    entry.reset_at_segment_starts). q, k, g [B, Tp, H * G, K / G] hold G = geo.key_groups groups
+    entry.reset_at_segment_starts). q, k [B, Tp, H * G, K / G] hold G = geo.key_groups groups
     of keys as virtual heads (state rows are separable by key: o sums the groups' outputs); v [B,
-    Tp, H, V]. Not differentiated, per-head gates may run the one Mosaic GPU forward
-    (geo.mosaic_forward, G = 1)."""
+    Tp, H, V]; g [B, Tp, H * G, K / G] per key, or [B, Tp, H * G] per head (and for no gate),
+    which the kernels read as such, dg summed over K inside them. Not differentiated, per-head
+    gates may run the one Mosaic GPU forward (geo.mosaic_forward, G = 1)."""
     if geo.mosaic_forward:
-        return forward_mosaic.forward(q, k, v, g[..., 0], s0, geo=geo, interpret=interpret)
+        return forward_mosaic.forward(q, k, v, g, s0, geo=geo, interpret=interpret)
     return _mosaic_forward(q, k, v, g, s0, geo, interpret, _INFERENCE)[0]
 
 
