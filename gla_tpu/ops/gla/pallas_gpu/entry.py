@@ -40,9 +40,8 @@ CAPABILITIES = Capabilities(
     features=GLA_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=(CHUNK,),
     notes="on Hopper, modes chunk and fused_chunk run pair-level Mosaic GPU kernels, forward "
           "and backward incl. dg, one speed for every gate (16-bit, segment ids as gates that "
-          "reset the state; K above 128 "
-          "as groups of 128 keys; per-head and no gates broadcast over K), and an "
-          "undifferentiated call with per-head "
+          "reset the state; K above 128 as groups of 128 keys; per-head and no gates read as "
+          "one gate per head and token), and an undifferentiated call with per-head "
           "or no gates one Mosaic GPU forward; elsewhere the chunked Triton kernels "
           "(fused_recurrent with float32-accurate state products in its backward); T <= 16 "
           "without segments: a token-by-token forward",

@@ -42,7 +42,7 @@ class BlockSizes:
       chunk_kernel: the kernels of a chunked call, forward and backward: "mosaic_gpu" (the
         pair-level kernels on a Hopper GPU: kernels_mosaic_levels.py, kernels_mosaic_state.py,
         kernels_mosaic_grads.py; one speed for every gate, where mosaic_chunk_reason allows;
-        per-head and absent gates broadcast over K), "triton" (the chunked kernels), or
+        per-head and absent gates read as [B, T, H]), "triton" (the chunked kernels), or
         "auto": the pair-level kernels on a Hopper GPU where they apply, except for a few
         tokens (decoding), else Triton. An undifferentiated call with per-head gates or none
         still runs the one-kernel forward (forward_kernel).
@@ -194,7 +194,7 @@ MOSAIC_GROUP_KEYS = 128
 
 def mosaic_chunk_reason(*, dtype, key_dim: int, value_dim: int, exact_inter: bool):
     """Why the pair-level Mosaic GPU kernels cannot take a problem (None: they can); key_dim and
-    value_dim are the padded K and V. Per-head and absent gates take them broadcast over K;
+    value_dim are the padded K and V. Per-head and absent gates take them as [B, T, H] gates;
     segment ids as gates that reset the state (entry.reset_at_segment_starts)."""
     if exact_inter:
         return ("mode 'fused_recurrent' (its backward's float32-accurate state products; modes "
