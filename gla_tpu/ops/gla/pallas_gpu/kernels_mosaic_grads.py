@@ -55,6 +55,7 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     level_operands,
     level_pairs,
     level_range,
+    load_gate_parts,
     load_slab,
     matmul,
     operands_released,
@@ -64,7 +65,6 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     range_sums,
     rows,
     set_ranges,
-    store_gate_parts,
     suffix_range,
     upper_rows,
 )
@@ -140,13 +140,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
 
         for j in range(min(vtiles, 2)):
             load_tile(j)
-        if per_head:
-            plgpu.copy_gmem_to_smem(g_ref.at[batch, head, pl.ds(chunk * c, c)], head_vec, loaded)
-            plgpu.barrier_wait(loaded)
-            store_gate_parts(head_vec, parts, 1)
-        else:
-            store_gate_parts(g_ref.at[tokens + (kcols,)], parts, 1)
-            plgpu.barrier_wait(loaded)
+        load_gate_parts(g_ref, tokens, (kcols,), parts, 1, loaded, head_vec)
 
         # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T, summed over value tiles
         da = q_inter = k_inter = None

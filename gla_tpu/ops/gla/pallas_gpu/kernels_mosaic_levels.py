@@ -215,6 +215,22 @@ def store_gate_parts(g_view, parts, slabs: int):
         parts.at[1, slab][...] = (g - hi.astype(F32)).astype(BF16)
 
 
+def load_gate_parts(g_ref, tokens, key_cols, parts, slabs: int, loaded, head_vec):
+    """A block's gates into parts (`store_gate_parts`), then the wait on the block's other loads
+    (barrier `loaded`). tokens = (batch, the chunk's rows, head). Per-key gates (head_vec None):
+    g_ref [B, Tp, H, K], the slabs `key_cols` (a tuple of one pl.ds, or empty for all K) read
+    while those loads fly. Per-head gates: g_ref [B, H, Tp] (`head_major_gates`), the chunk's
+    gates copied into head_vec ([C] float32 shared memory) as one more arrival on `loaded`."""
+    batch, chunk_rows, head = tokens
+    if head_vec is None:
+        store_gate_parts(g_ref.at[tokens + key_cols], parts, slabs)
+        plgpu.barrier_wait(loaded)
+        return
+    plgpu.copy_gmem_to_smem(g_ref.at[batch, head, chunk_rows], head_vec, loaded)
+    plgpu.barrier_wait(loaded)
+    store_gate_parts(head_vec, parts, slabs)
+
+
 def head_major_gates(g):
     """Per-head gates g [B, Tp, H] -> [B, H, Tp] (a chunk's gates contiguous, for one copy into
     shared memory); per-key gates [B, Tp, H, K] unchanged."""
@@ -252,14 +268,8 @@ def prep(q, k, g, *, scale: float, interpret):
         tokens = (batch, pl.ds(chunk * c, c), head)
         for src, dst in ((q_ref, q_smem), (k_ref, k_smem)):
             plgpu.copy_gmem_to_smem(src.at[tokens], dst, loaded)
-        if per_head:
-            plgpu.copy_gmem_to_smem(g_ref.at[batch, head, pl.ds(chunk * c, c)], head_gates[0],
-                                    loaded)
-            plgpu.barrier_wait(loaded)
-            store_gate_parts(head_gates[0], parts, slabs)
-        else:
-            store_gate_parts(g_ref.at[tokens], parts, slabs)
-            plgpu.barrier_wait(loaded)
+        load_gate_parts(g_ref, tokens, (), parts, slabs, loaded,
+                        head_gates[0] if per_head else None)
 
         def level_step(level, scores):
             # after the last level's wgmmas, which read `ranges` and `kops`
