@@ -133,8 +133,8 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
             o, final = vjp.mosaic_chunked(qp, kp_, vpad, gp, s0, geo, bool(interpret))
             final = final.reshape(b, h, kp, vp)
         else:
-            if per_head:
-                gp = jnp.broadcast_to(gp[..., None], qp.shape[:3] + (kp,))
+            if per_head:  # zero log gates past K, as for per-key gates
+                gp = pad_last(jnp.broadcast_to(gp[..., None], qp.shape[:3] + (kd,)), kp)
             if few_tokens:
                 o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
             else:
