@@ -35,7 +35,16 @@ settings.register_profile("explore", derandomize=False, deadline=None, max_examp
 settings.load_profile("ci")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true", default=False,
+        help="also run the tests marked `full`: the rest of the sweeps (every TPU generation for "
+             "every compiled configuration, every parametrization); docs/testing.md")
+
+
 def pytest_collection_modifyitems(config, items):
+    skip_full = pytest.mark.skip(reason="part of the full sweep: run with --full (docs/testing.md)")
+    run_full = config.getoption("--full")
     has_gpu = (any(d.platform == "gpu" for d in jax.devices())
                if os.environ.get("JAX_PLATFORMS") != "cpu" else False)
     # this file defaults JAX_PLATFORMS to cpu: on a GPU machine the gpu tests need it set
@@ -44,3 +53,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+        elif item.get_closest_marker("full") is not None and not run_full:
+            item.add_marker(skip_full)

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.filterwarnings(
 # the last one, 8 tokens and padding, does not; checked below), 1e-3 (about -800 a token, where
 # every pair but a token with itself underflows) takes the exact one everywhere; with segments,
 # an initial state and a partial last chunk. Strength 16 alone (every chunk bounded, the per-chunk
-# grids) and strengths 1 and 16 in float32 run in the matrix of tests/ops/test_gla.py.
+# grids) and strength 16 in float32 (1 too with --full) run in the matrix of tests/ops/test_gla.py.
 # Per-head gates take a path of their own (one program per chunk for any strength): strength
 # 1e-3 here, 1 and 16 in the matrix.
 @pytest.mark.parametrize("gate_strength,dtype,gate", [

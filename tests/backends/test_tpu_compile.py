@@ -7,6 +7,10 @@ included. A forward+backward program (jax.grad of the sum of the squared outputs
 needs the outputs' values, so no forward kernel is dropped as dead code) runs the forward kernels
 in its forward pass and so compiles them too: forward-only programs are compiled only where no
 backward exists (the decode step).
+
+The default run compiles every configuration on at least one generation and every generation on
+every kernel family (the pairs below); `pytest --full` compiles every configuration on every
+generation (docs/testing.md).
 """
 
 import jax
@@ -23,6 +27,15 @@ pytestmark = [
     pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (pip install .[test])"),
 ]
 BF16, F32 = jnp.bfloat16, jnp.float32
+FULL = pytest.mark.full
+
+
+def _sweep(configs, default_generations, generations=TPU_GENERATIONS):
+    """(name, generation) params over `configs` x `generations`, the pairs outside
+    `default_generations[name]` marked `full`."""
+    return [pytest.param(name, gen, id=f"{name}-{gen}",
+                         marks=() if gen in default_generations(name) else FULL)
+            for name in configs for gen in generations]
 
 
 def _grad_of_sum(fn, argnums):
@@ -54,8 +67,24 @@ ATTENTION.update({
     for d in (64, 128, 256) for causal in (True, False)})
 
 
-@pytest.mark.parametrize("generation", TPU_GENERATIONS)
-@pytest.mark.parametrize("name", list(ATTENTION))
+# Default run: every (D, generation) pair of the sweep once, causal and full alternating (so each
+# (D, causal) meets two or three generations), and each long or ragged config on one or two.
+ATTENTION_DEFAULT = {
+    "b1_t8192_h16_d128_causal": ("v5e",),
+    "b2_t1000_s1300_h8_hkv1_d64_causal_segments": ("v4", "7x"),
+    "t32768_d128_causal_gqa8": ("v6e",),
+}
+
+
+def _attention_default(name):
+    if name in ATTENTION_DEFAULT:
+        return ATTENTION_DEFAULT[name]
+    *_, d, causal, _ = ATTENTION[name]
+    return tuple(gen for j, gen in enumerate(TPU_GENERATIONS)
+                 if causal == (((64, 128, 256).index(d) + j) % 2 == 0))
+
+
+@pytest.mark.parametrize("name,generation", _sweep(ATTENTION, _attention_default))
 def test_attention_compiles(name, generation):
     b, t, s, h, hkv, d, causal, segments = ATTENTION[name]
     args = [jax.ShapeDtypeStruct((b, t, h, d), BF16), jax.ShapeDtypeStruct((b, s, hkv, d), BF16),
@@ -115,10 +144,35 @@ GLA = {
 # on every generation.
 C64_TWINS = ("key-B2-T4096-H8-K128-V128-C64", "key-B4-T2048-H4-K256-V512-C64")
 C64_GENERATIONS = ("v4", "v6e")
+# Default run: each config on one or two generations, every generation in every mode.
+GLA_DEFAULT = {
+    "fused_chunk": {
+        "key-B2-T4096-H8-K128-V128": ("v5e", "7x"),
+        "key-B2-T4096-H8-K128-V128-C64": ("v4",),
+        "head-B2-T4096-H16-K64-V64": ("v6e",),
+        "key-B1-T1024-H2-K512-V512": ("v4", "v5p"),
+        "head-B2-T2048-H4-K256-V512": ("v5p",),
+    },
+    "chunk": {
+        "key-B4-T2048-H4-K256-V512": ("v4", "v5e"),
+        "key-B4-T2048-H4-K256-V512-C64": ("v6e",),
+        "key-B1-T1024-H2-K192-V320": ("7x",),
+        "head-B1-T2048-H4-K64-V64-C64": ("v5p",),
+    },
+    "fused_recurrent": {
+        "key-B8-T256-H8-K128-V128": ("v6e",),
+        "key-B2-T128-H4-K256-V512": ("v5e",),
+        "key-B1-T128-H2-K512-V512": ("v4",),
+        "key-B1-T128-H2-K448-V320": ("7x",),
+        "key-B2-T130-H4-K64-V64": ("v5p",),
+    },
+}
 
 
 @pytest.mark.parametrize("mode,name,generation", [
-    (m, n, gen) for m, configs in GLA.items() for n in configs for gen in TPU_GENERATIONS
+    pytest.param(m, n, gen, id=f"{m}-{n}-{gen}",
+                 marks=() if gen in GLA_DEFAULT[m][n] else FULL)
+    for m, configs in GLA.items() for n in configs for gen in TPU_GENERATIONS
     if n not in C64_TWINS or gen in C64_GENERATIONS])
 def test_gla_compiles(mode, name, generation):
     gate, b, t, h, kd, vd, *chunk_size = GLA[mode][name]
@@ -181,8 +235,15 @@ SHARDED_GENERATIONS = ("v5e", "v5p", "v6e")
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 
 
-@pytest.mark.parametrize("generation", SHARDED_GENERATIONS)
-@pytest.mark.parametrize("op", ["attention", "gla"])
+def _sharded_generations(default):
+    """SHARDED_GENERATIONS, all but `default` marked `full`."""
+    return [pytest.param(gen, marks=() if gen == default else FULL)
+            for gen in SHARDED_GENERATIONS]
+
+
+@pytest.mark.parametrize("op,generation", [
+    pytest.param(op, gen, id=f"{op}-{gen}", marks=() if gen == default else FULL)
+    for op, default in (("attention", "v6e"), ("gla", "v5e")) for gen in SHARDED_GENERATIONS])
 def test_sharded_program_compiles_for_a_4_chip_slice_without_collectives(op, generation):
     """`jax.jit` of the op's forward+backward with q, k, v (and g) split over batch and heads:
     Mosaic compiles each chip's kernels, and the partitioned program moves nothing between chips
@@ -227,7 +288,7 @@ def test_unsharded_call_on_sharded_inputs_is_what_sharding_fixes():
             q, k, v, causal=True, backend="mosaic_tpu"), mesh, x, x, x)
 
 
-@pytest.mark.parametrize("generation", SHARDED_GENERATIONS)
+@pytest.mark.parametrize("generation", _sharded_generations("v6e"))
 def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
     """GLA forward+backward with batch and T over a (2, 2) mesh: Mosaic compiles each chip's
     kernels, and the program's collectives move the blocks' states and decays (all-gathers
@@ -259,7 +320,7 @@ def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
     assert sum(int(np.prod(dims)) for dims in sizes) <= 4 * states, sizes
 
 
-@pytest.mark.parametrize("generation", SHARDED_GENERATIONS)
+@pytest.mark.parametrize("generation", _sharded_generations("v5p"))
 def test_ring_attention_compiles_for_a_4_chip_slice(generation):
     """Causal attention forward+backward with batch and T over a (2, 2) mesh: Mosaic compiles each
     chip's blocks, and the program's only collectives are collective-permutes of one chip's

@@ -66,14 +66,16 @@ def _check(backend, case, dtype, mode, chunk_size=None, **kwargs):
 SAME_PROGRAM = {("pallas_gpu", "fused_chunk")}
 
 
-def _params(cases):
-    """(case, dtype, mode, chunk_size) x backend, each case's backends in one xdist group."""
+def _params(cases, full_only=()):
+    """(case, dtype, mode, chunk_size) x backend, each case's backends in one xdist group; the
+    cases named in `full_only` marked `full`."""
     for name, (case, dtype, mode, chunk_size) in cases.items():
+        marks = [pytest.mark.xdist_group(name)] + ([pytest.mark.full] if name in full_only else [])
         for backend in BACKENDS:
             if (backend, mode) in SAME_PROGRAM:
                 continue
             yield pytest.param(backend, case, dtype, mode, chunk_size, id=f"{name}-{backend}",
-                               marks=pytest.mark.xdist_group(name))
+                               marks=marks)
 
 
 # The matrix: every mode x gate kind, each with two (initial state, segments) settings, rotated so
@@ -84,6 +86,12 @@ def _params(cases):
 SIZES = ((63, 64, 64), (130, 64, 128), (65, 128, 64), (100, 64, 64))  # (T, K, V)
 STRENGTHS = (0.1, 1.0, 16.0)
 SETTINGS = (((True, True), (False, False)), ((True, False), (False, True)))  # (s0, segments)
+# The default run takes one of each (mode, gate) pair's two settings, r = DEFAULT_SETTING[3 m + n]
+# (--full runs both): chosen so that every mode and every gate kind still meets both dtypes, a
+# state and none, segments and none, all four settings occur, and every size and gate strength
+# (16 with per-key and per-head gates).
+DEFAULT_SETTING = (1, 0, 0, 1, 1, 0, 0, 1, 1)
+MATRIX_FULL_ONLY = set()
 
 
 def _matrix():
@@ -102,9 +110,14 @@ def _matrix():
                 name = (f"{mode}-{gate}-s0={int(s0)}-seg={int(seg)}-T{t}-K{kd}-V{vd}-"
                         f"{jnp.dtype(dtype).name}")
                 cases[name] = (case, dtype, mode, None)
+                if r != DEFAULT_SETTING[3 * m + n]:
+                    MATRIX_FULL_ONLY.add(name)
                 i += 1
     return cases
-@pytest.mark.parametrize("backend,case,dtype,mode,chunk_size", list(_params(_matrix())))
+
+
+@pytest.mark.parametrize("backend,case,dtype,mode,chunk_size",
+                         list(_params(_matrix(), MATRIX_FULL_ONLY)))
 def test_matrix(backend, case, dtype, mode, chunk_size):
     _check(backend, case, dtype, mode, chunk_size)
 

@@ -124,7 +124,14 @@ def test_attention_sharded_matches_unsharded_xla(layout):
     _check_attention(_sharding(layout), "xla", segments=layout.startswith("2x4"))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# Default run: three layouts (batch with heads, both orders, and heads over both axes); --full
+# runs all six.
+GLA_LAYOUTS_FULL_ONLY = ("8-batch", "8-heads", "2x4-batch-over-both")
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(layout, marks=pytest.mark.full if layout in GLA_LAYOUTS_FULL_ONLY else ())
+    for layout in LAYOUTS])
 def test_gla_sharded_matches_unsharded_xla(layout):
     _check_gla(_sharding(layout), "xla", gate="head" if "heads" in layout else "key",
                segments=layout.startswith("4x2"))
@@ -264,8 +271,12 @@ def _boundary_segments(b=B):
     return jnp.asarray(seg)
 
 
-@pytest.mark.parametrize("layout, gate", [(layout, "key") for layout in CP_LAYOUTS]
-                         + [("2x4-batch-time", "head"), ("4x2-time-heads", "none")])
+# Default run: each layout once (per-key gates where no other gate takes it); --full adds per-key
+# gates on the layouts the other gates take.
+@pytest.mark.parametrize("layout, gate", [
+    pytest.param(layout, "key",
+                 marks=pytest.mark.full if layout in ("2x4-batch-time", "4x2-time-heads") else ())
+    for layout in CP_LAYOUTS] + [("2x4-batch-time", "head"), ("4x2-time-heads", "none")])
 def test_context_parallel_gla_matches_unsharded_xla(layout, gate):
     shape, names, spec = CP_LAYOUTS[layout]
     _check_gla(NamedSharding(_mesh(shape, names), spec), "xla", gate=gate,
