@@ -34,6 +34,9 @@ MOSAIC = BlockSizes(32, 16, 32, 16, 16, 32, forward_kernel="mosaic_gpu",
 
 
 BF16, F16 = jnp.bfloat16, jnp.float16
+# The interpret cases marked FULL run with --full only: the default run keeps one case of each
+# kernel's structure (rows that see no key, a wrapping ring, head dim 256).
+FULL = pytest.mark.full
 
 
 # The two 16-bit dtypes alternate over the cases: the kernel is the same code for both.
@@ -41,12 +44,15 @@ BF16, F16 = jnp.bfloat16, jnp.float16
     # rows 0..69 see no key (T > S, bottom-right causal): o = 0, lse = 0
     (AttentionCase(1, 200, 130, 4, 2, 64, causal=True), ForwardTiles(64, 64, 2), BF16),
     # whole tiles with no key to see (rows 0..259): no load, no step, the turns still pair up
-    (AttentionCase(1, 300, 40, 2, 1, 64, causal=True), ForwardTiles(64, 64, 2), F16),
+    pytest.param(AttentionCase(1, 300, 40, 2, 1, 64, causal=True), ForwardTiles(64, 64, 2), F16,
+                 marks=FULL),
     # padded keys, GQA, one tile
-    (AttentionCase(2, 70, 150, 2, 1, 128, causal=False), ForwardTiles(64, 64, 2), BF16),
+    pytest.param(AttentionCase(2, 70, 150, 2, 1, 128, causal=False), ForwardTiles(64, 64, 2),
+                 BF16, marks=FULL),
     # several tiles and a ring that wraps: consumer 0 releases the steps only consumer 1 needs
     (AttentionCase(1, 300, 300, 2, 2, 64, causal=True), ForwardTiles(64, 64, 3), F16),
-    (AttentionCase(1, 260, 390, 2, 2, 64, causal=True), ForwardTiles(128, 128, 2), BF16),
+    pytest.param(AttentionCase(1, 260, 390, 2, 2, 64, causal=True), ForwardTiles(128, 128, 2),
+                 BF16, marks=FULL),
     # head dim 256 with its default tiles, GQA, padded keys
     (AttentionCase(1, 130, 200, 2, 1, 256, causal=True), ForwardTiles(64, 64, 2), F16),
 ], ids=str)
@@ -62,11 +68,15 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
 # kernels called one by one run, see the next test, and pass on the GPU).
 @pytest.mark.parametrize("case,tiles,dtype", [
     # whole query tiles that see no key: dq tiles with no step, dk/dv see every tile
-    (AttentionCase(1, 300, 40, 2, 1, 64, causal=True), BackwardTiles(64, 64, 2), BF16),
+    pytest.param(AttentionCase(1, 300, 40, 2, 1, 64, causal=True), BackwardTiles(64, 64, 2), BF16,
+                 marks=FULL),
     # T < S with a group of 4: both rings wrap (4 key steps, 16 query steps), 128-key tiles
     (AttentionCase(1, 130, 330, 4, 1, 64, causal=True), BackwardTiles(64, 128, 2), F16),
     # rows 0..69 see no key (T > S): zero gradients from them
-    (AttentionCase(1, 200, 130, 4, 2, 64, causal=True), BackwardTiles(64, 64, 3), BF16),
+    pytest.param(AttentionCase(1, 200, 130, 4, 2, 64, causal=True), BackwardTiles(64, 64, 3),
+                 BF16, marks=FULL),
+    # head dim 256: dq streams 32-key blocks, dk/dv's consumers split dk and dv over 64 keys
+    (AttentionCase(1, 130, 200, 2, 1, 256, causal=True), BackwardTiles(64, 32, 2), BF16),
 ], ids=str)
 def test_mosaic_backward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, backward_kernel="mosaic_gpu", mosaic_backward=tiles)
@@ -94,12 +104,15 @@ def _softmax_grads(q, k, v, do, geo):
     return (dq, dk, dv), lse2, delta
 
 
-def test_mosaic_backward_kernels_interpret_not_causal():
+@pytest.mark.parametrize("d,tiles", [(64, BackwardTiles(64, 64, 2)),
+                                     (256, BackwardTiles(64, 32, 2))])
+def test_mosaic_backward_kernels_interpret_not_causal(d, tiles):
     """Non-causal dq and dk/dv kernels, each called alone in GPU interpret mode: padded keys,
-    GQA, a wrapping ring; against float32 XLA from the same lse and delta."""
+    GQA, a wrapping ring (head dim 256: dk/dv's split roles); against float32 XLA from the same
+    lse and delta."""
     from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_backward as mosaic_gpu_backward
 
-    t, s, d = 128, 150, 64
+    t, s = 128, 150
     geo = Geometry(q_len=t, kv_len=s, padded_q=t, padded_kv=256, group=2, causal=False,
                    offset=s - t, sm_scale=d**-0.5, has_segments=False)
     keys = jax.random.split(jax.random.key(9), 4)
@@ -107,7 +120,7 @@ def test_mosaic_backward_kernels_interpret_not_causal():
     k, v = (pad_time(jax.random.normal(key, (1, s, 1, d), jnp.bfloat16), 256)
             for key in keys[2:])
     expected, lse, delta = _softmax_grads(q, k, v, do, geo)
-    common = dict(geo=geo, tiles=BackwardTiles(64, 64, 2), interpret=True)
+    common = dict(geo=geo, tiles=tiles, interpret=True)
     dq = jax.block_until_ready(mosaic_gpu_backward.backward_dq(q, k, v, do, lse, delta, **common))
     dk, dv = mosaic_gpu_backward.backward_dkv(q, k, v, do, lse, delta, **common)
     for got, want in zip((dq, dk[:, :s], dv[:, :s]), (expected[0], expected[1][:, :s],
@@ -117,14 +130,15 @@ def test_mosaic_backward_kernels_interpret_not_causal():
         assert err < 1e-2  # bfloat16 outputs and operands: about 2e-3
 
 
-@pytest.mark.parametrize("kernel", ["dq", "dkv"])
-def test_mosaic_backward_has_no_races(kernel):
+@pytest.mark.parametrize("kernel,d", [("dq", 64), ("dkv", 64), ("dkv", 256)])
+def test_mosaic_backward_has_no_races(kernel, d):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_backward as mosaic_gpu_backward
 
-    t, s, d = 256, 256, 64  # causal, 4 blocks a side: the two-slot rings wrap
+    t = s = 256  # causal, 4 blocks a side: the two-slot rings wrap (d = 256: the split roles)
+    tiles = BackwardTiles(64, 32 if d == 256 else 64, 2)
     geo = Geometry(q_len=t, kv_len=s, padded_q=t, padded_kv=s, group=1, causal=True, offset=0,
                    sm_scale=d**-0.5, has_segments=False)
     keys = jax.random.split(jax.random.key(10), 6)
@@ -132,7 +146,7 @@ def test_mosaic_backward_has_no_races(kernel):
     lse = jax.random.normal(keys[4], (1, 1, t)) + 4.0
     delta = jax.random.normal(keys[5], (1, 1, t))
     run = getattr(mosaic_gpu_backward, f"backward_{kernel}")
-    jax.block_until_ready(run(q, k, v, do, lse, delta, geo=geo, tiles=BackwardTiles(64, 64, 2),
+    jax.block_until_ready(run(q, k, v, do, lse, delta, geo=geo, tiles=tiles,
                               interpret=plgpu.InterpretGPUParams(detect_races=True)))
     assert not gpu_interpret.get_races().races_found
 
@@ -199,7 +213,8 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
 
 
 @pytest.mark.parametrize("head_dim,causal,tiles", [
-    (64, True, BackwardTiles()), (128, False, BackwardTiles(64, 128, 2))])
+    (64, True, BackwardTiles()), (128, False, BackwardTiles(64, 128, 2)),
+    (256, True, BackwardTiles(64, 32, 2))])
 def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles):
     """Forward, dq and dk/dv through Mosaic GPU's lowering for CUDA (layout inference, wgmma
     shapes, shared-memory transforms), GQA and padded lengths."""
@@ -221,7 +236,7 @@ def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles):
 
 @pytest.mark.parametrize("field,kwargs,match", [
     ("forward_kernel", dict(head_dim=32), "head dim 32"),
-    ("backward_kernel", dict(head_dim=256), "head dim 256"),
+    ("backward_kernel", dict(head_dim=32), "head dim 32"),
     *[(field, kwargs, match) for field in ("forward_kernel", "backward_kernel")
       for kwargs, match in ((dict(dtype=jnp.float32), "float32"),
                             (dict(segments=True), "segment_ids"))],
@@ -242,7 +257,7 @@ def test_tiles_validate():
     with pytest.raises(ValueError, match="mosaic_backward"):
         BlockSizes(mosaic_backward=ForwardTiles())
     with pytest.raises(ValueError, match="block_kv"):
-        BackwardTiles(block_kv=32)
+        BackwardTiles(block_kv=16)
     with pytest.raises(ValueError, match="stages"):
         BackwardTiles(stages=5)
     with pytest.raises(ValueError, match="forward_kernel"):
@@ -262,6 +277,14 @@ def test_tiles_validate():
     with pytest.raises(ValueError, match="mosaic_backward.*shared memory"):
         ops.flash_attention(x, x, x, backend="pallas_gpu", interpret=True, block_sizes=BlockSizes(
             backward_kernel="mosaic_gpu", mosaic_backward=BackwardTiles(128, 128, 4)))
+    # the dk/dv kernel's tile: 32-key blocks at head dim 256 only, and only those there
+    for head_dim, tiles, match in ((128, BackwardTiles(64, 32, 2), "block_kv must be 64 or 128"),
+                                   (256, BackwardTiles(64, 64, 2), "block_kv must be 32")):
+        y = jnp.ones((1, 16, 2, head_dim), jnp.bfloat16)
+        with pytest.raises(ValueError, match=f"mosaic_backward.*{match}"):
+            ops.flash_attention(y, y, y, backend="pallas_gpu", interpret=True,
+                                block_sizes=BlockSizes(backward_kernel="mosaic_gpu",
+                                                       mosaic_backward=tiles))
 
 
 def _problem(head_dim=128, dtype=jnp.bfloat16, segments=False, length=2048):
@@ -297,7 +320,8 @@ def test_auto_takes_mosaic_backward_on_hopper_only(monkeypatch):
     assert plan.mosaic_backward_tiles(_problem(), sizes, False) == sizes.mosaic_backward
     assert plan.mosaic_backward_tiles(_problem(64), sizes, False) == sizes.mosaic_backward
     assert plan.mosaic_backward_tiles(_problem(), sizes, True) is None  # interpret: Triton
-    assert plan.mosaic_backward_tiles(_problem(256), sizes, False) is None
+    wide = default_block_sizes(256, jnp.bfloat16)
+    assert plan.mosaic_backward_tiles(_problem(256), wide, False) == BackwardTiles(64, 32, 2)
     assert plan.mosaic_backward_tiles(_problem(dtype=jnp.float32), sizes, False) is None
     assert plan.mosaic_backward_tiles(_problem(segments=True), sizes, False) is None
     triton = BlockSizes(backward_kernel="triton")

@@ -38,6 +38,9 @@ def ring_producer(load, *, steps, stages: int, free) -> None:
 
 # shared-memory tiles that wgmma and TMA read: (8, 64) tiles, 128-byte swizzle (16-bit dtypes)
 SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# the same with a 64-byte swizzle, for a wgmma operand whose contraction (rows) is only 32 long:
+# wgmma contracts a swizzled operand in groups of swizzle / 2 elements
+SWIZZLED_64 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
 
 
 def release_step(slot, ready, free) -> None:

@@ -9,11 +9,14 @@ blocks into a ring of shared-memory slots with the TMA unit (common/mosaic_gpu.r
 - dk/dv: a block per (key tile, kv head, batch); each consumer holds k and v and walks, for every
   query head of the kv head's group, the query blocks that can see its keys, transposed:
   s^T = k q^T, p^T, dv += p^T do, dp^T = v do^T, ds^T = p^T (dp^T - delta), dk += ds^T q. The
-  group's heads are summed in the accumulators, so GQA needs no reduction afterwards.
+  group's heads are summed in the accumulators, so GQA needs no reduction afterwards. At head
+  dim 256 (plan.splits_dkv_roles) the two consumers split the roles over one shared tile of keys
+  instead: one accumulates dv (s^T, p^T, dv += p^T do), the other dk (s^T and dp^T, ds^T,
+  dk += ds^T q), so that each holds one [64, 256] float32 accumulator.
 Causal skipping as in the Triton kernels: blocks no row of a consumer can see are not visited,
 blocks every row sees take no mask. Rows that see no key (lse = 0 from the forward, every p
 masked) give zero gradients. Keys at or past the true S are masked in dq; their dk/dv rows are
-sliced away by the caller. Head dims 64 and 128, bfloat16 / float16, no segment ids
+sliced away by the caller. Head dims 64, 128 and 256, bfloat16 / float16, no segment ids
 (plan.mosaic_backward_unsupported_reason); docs/gpu_backend.md has the measurements.
 """
 
@@ -31,9 +34,10 @@ from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
     q_blocks_for_key_tile,
     visibility_mask,
 )
-from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, BackwardTiles, Geometry
+from gla_tpu.ops.attention.pallas_gpu.plan import (CONSUMERS, BackwardTiles, Geometry,
+                                                  splits_dkv_roles)
 from gla_tpu.ops.common.base2 import LOG2_E
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, release_step, ring_producer
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_64, release_step, ring_producer
 
 
 
@@ -89,8 +93,11 @@ def _load_own(pairs, ready):
 
 def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_place: bool):
     (q_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem, own_ready,
-     k_smem, v_smem, k_ready, v_ready, kv_free, batch, head, tile_base, wg) = refs
+     k_smem, v_smem, k_ready, v_ready, kv_free, batch, head, tile_base, wg, kc_smem,
+     kc_ready) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
+    # the keys dq += ds k contracts over: k_smem itself, or its 64-byte-swizzled copy (32 keys)
+    ready = (k_ready, v_ready) + ((kc_ready,) if kc_ready is not None else ())
     dtype = q_ref.dtype
     scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
@@ -118,14 +125,17 @@ def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_pl
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
         ds = (p * (dp - delta)).astype(dtype)
-        dq = _accumulate(dq, ds, k_smem.at[slot], in_place)
+        if kc_ready is not None:
+            plgpu.barrier_wait(kc_ready.at[slot])
+        dq = _accumulate(dq, ds, (kc_smem if kc_ready is not None else k_smem).at[slot],
+                         in_place)
         if not in_place:  # interpret: the jnp.dot read k through the generic proxy; order it
             plgpu.commit_smem()  # before the TMA unit's refill of the slot
         plgpu.barrier_arrive(kv_free.at[slot])
         return dq
 
     def release(step, carry):
-        release_step(lax.rem(step, jnp.int32(tiles.stages)), (k_ready, v_ready), (kv_free,))
+        release_step(lax.rem(step, jnp.int32(tiles.stages)), ready, (kv_free,))
         return carry
 
     dq = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -139,66 +149,94 @@ def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_pl
     plgpu.wait_smem_to_gmem(0)
 
 
+# The dk/dv kernel's consumer roles: both gradients of its own keys, or (head dim 256) one of the
+# two over the tile's keys, which both consumers hold.
+BOTH, DV, DK = "dk,dv", "dv", "dk"
+
+
 def _dkv_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, first_block, per_head,
-                  in_place: bool):
+                  in_place: bool, role: str):
     (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, own_ready, q_smem, do_smem, lse_smem,
-     delta_smem, ready, q_free, batch, kv_head, tile_base, wg) = refs
-    bq, bkv, d = tiles.block_q, tiles.block_kv, k_ref.shape[-1]
+     delta_smem, ready, q_free, batch, kv_head, tile_base, wg, done) = refs
+    bq, keys, d = tiles.block_q, k_smem.shape[0], k_ref.shape[-1]
     dtype = k_ref.dtype
     scale2 = geo.sm_scale * LOG2_E
-    k_base = tile_base + wg * bkv
-    lo, full = q_blocks_for_key_tile(geo, k_base, bkv, bq)
+    k_base = tile_base + wg * keys if role == BOTH else tile_base
+    lo, full = q_blocks_for_key_tile(geo, k_base, keys, bq)
     n_q = geo.padded_q // bq
-    rows = (batch, pl.ds(k_base, bkv), kv_head)
-    _load_own([(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)], own_ready)
+    rows = (batch, pl.ds(k_base, keys), kv_head)
+    if role == BOTH:
+        _load_own([(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)], own_ready)
+    else:  # each role fetches one of the shared tiles, and both wait for both
+        src, dst, barrier = ((k_ref.at[rows], k_smem, own_ready[0]) if role == DV
+                             else (v_ref.at[rows], v_smem, own_ready[1]))
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+        for barrier in own_ready:
+            plgpu.barrier_wait(barrier)
     per_col = plgpu.Layout.WGMMA.reduce(0)
 
+    def per_query(vectors, slot):
+        return lax.broadcast_in_dim(plgpu.load(vectors.at[slot], layout=per_col), (keys, bq), [1])
+
     def step_fn(masked: bool, g, block, carry):
-        dk, dv = carry
         step = g * per_head + (block - first_block)
         slot = lax.rem(step, jnp.int32(tiles.stages))
         for barrier in ready:
             plgpu.barrier_wait(barrier.at[slot])
-        lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=per_col),
-                                   (bkv, bq), [1])
-        delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=per_col),
-                                     (bkv, bq), [1])
-        (st,) = _products([(k_smem, q_smem.at[slot].transpose((1, 0)))], (bkv, bq))
+        lse = per_query(lse_smem, slot)
+        delta = per_query(delta_smem, slot) if role != DV else None
+        q_t = q_smem.at[slot].transpose((1, 0))
+        do_t = do_smem.at[slot].transpose((1, 0))
+        if role == DK:  # s^T and dp^T, one wait
+            st, dpt = _products([(k_smem, q_t), (v_smem, do_t)], (keys, bq))
+        else:
+            (st,) = _products([(k_smem, q_t)], (keys, bq))
         pt = jnp.exp2(st * scale2 - lse)
         if masked:
             # keys past kv_len only reach dk/dv rows the caller slices away: no length check
-            visible = visibility_mask(geo, _iota((bkv, bq), 1, block * bq),
-                                      _iota((bkv, bq), 0, k_base), None, None, check_len=False)
+            visible = visibility_mask(geo, _iota((keys, bq), 1, block * bq),
+                                      _iota((keys, bq), 0, k_base), None, None, check_len=False)
             if visible is not None:
                 pt = jnp.where(visible, pt, 0.0)
-        dv, dpt = _accumulate_and_product(dv, pt.astype(dtype), do_smem.at[slot], v_smem,
-                                          do_smem.at[slot].transpose((1, 0)), (bkv, bq),
-                                          in_place)
-        dst = (pt * (dpt - delta)).astype(dtype)
-        dk = _accumulate(dk, dst, q_smem.at[slot], in_place)
+        if role == DV:
+            carry = (_accumulate(carry[0], pt.astype(dtype), do_smem.at[slot], in_place),)
+        else:
+            if role == BOTH:
+                dv, dpt = _accumulate_and_product(carry[1], pt.astype(dtype), do_smem.at[slot],
+                                                  v_smem, do_t, (keys, bq), in_place)
+            dst = (pt * (dpt - delta)).astype(dtype)
+            dk = _accumulate(carry[0], dst, q_smem.at[slot], in_place)
+            carry = (dk, dv) if role == BOTH else (dk,)
         if not in_place:  # as in the dq kernel
             plgpu.commit_smem()
         plgpu.barrier_arrive(q_free.at[slot])
-        return dk, dv
+        return carry
 
     def release(g, block, carry):
         step = g * per_head + (block - first_block)
         release_step(lax.rem(step, jnp.int32(tiles.stages)), ready, (q_free,))
         return carry
 
-    zeros = plgpu.layout_cast(jnp.full((bkv, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    carry = (zeros, zeros)
+    zeros = plgpu.layout_cast(jnp.full((keys, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    carry = (zeros, zeros) if role == BOTH else (zeros,)
     for g in range(geo.group):
         lax.fori_loop(first_block, lo, lambda i, c, g=g: release(g, i, c), None)
         carry = lax.fori_loop(lo, full, lambda i, c, g=g: step_fn(True, g, i, c), carry)
         carry = lax.fori_loop(full, n_q, lambda i, c, g=g: step_fn(False, g, i, c), carry)
-    dk, dv = carry
 
-    k_smem[...] = (dk * geo.sm_scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
+    if role == BOTH:
+        dk, dv = carry
+        outputs = ((k_smem, dk_ref, dk * geo.sm_scale), (v_smem, dv_ref, dv))
+    else:  # the partner reads both shared tiles until its last step: wait for it
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+        outputs = (((v_smem, dv_ref, carry[0]),) if role == DV
+                   else ((k_smem, dk_ref, carry[0] * geo.sm_scale),))
+    for smem, _, value in outputs:
+        smem[...] = value.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+    for smem, out_ref, _ in outputs:
+        plgpu.copy_smem_to_gmem(smem, out_ref.at[rows], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
@@ -214,11 +252,12 @@ def _kernel(body, *, out_type, scratch, grid, interpret):
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret or None)
 
 
-def _own_scratch(rows: int, d: int, dtype, n_vectors: int):
-    """Each consumer's two [rows, D] tiles, `n_vectors` [rows] float32 rows, and a barrier each."""
-    tiles = [plgpu.SMEM((CONSUMERS, rows, d), dtype, transforms=SWIZZLED) for _ in range(2)]
-    vectors = [plgpu.SMEM((CONSUMERS, rows), jnp.float32) for _ in range(n_vectors)]
-    barriers = [plgpu.Barrier(num_barriers=CONSUMERS) for _ in range(len(tiles + vectors))]
+def _own_scratch(rows: int, d: int, dtype, n_vectors: int, owners: int = CONSUMERS):
+    """Each owner's two [rows, D] tiles, `n_vectors` [rows] float32 rows, and a barrier each
+    (owners: the consumers, or 1 where they share the tiles)."""
+    tiles = [plgpu.SMEM((owners, rows, d), dtype, transforms=SWIZZLED) for _ in range(2)]
+    vectors = [plgpu.SMEM((owners, rows), jnp.float32) for _ in range(n_vectors)]
+    barriers = [plgpu.Barrier(num_barriers=owners) for _ in range(len(tiles + vectors))]
     return tiles + vectors + barriers
 
 
@@ -231,7 +270,8 @@ def backward_dq(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles,
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem2, do_smem2,
              lse_smem2, delta_smem2, q_ready, do_ready, lse_ready, delta_ready, k_smem, v_smem,
-             k_ready, v_ready, kv_free):
+             k_ready, v_ready, kv_free, *contraction_keys):
+        kc_smem, kc_ready = contraction_keys or (None, None)
         tile = lax.axis_index("tile")
         if geo.causal:  # the tiles with the most keys first
             tile = n_tiles - 1 - tile
@@ -245,7 +285,7 @@ def backward_dq(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles,
             own_ready = tuple(x.at[wg] for x in (q_ready, do_ready, lse_ready, delta_ready))
             refs = (q_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem2.at[wg], do_smem2.at[wg],
                     lse_smem2.at[wg], delta_smem2.at[wg], own_ready, k_smem, v_smem, k_ready,
-                    v_ready, kv_free, batch, head, tile_base, wg)
+                    v_ready, kv_free, batch, head, tile_base, wg, kc_smem, kc_ready)
             _dq_consumer(refs, geo=geo, tiles=tiles, tile_steps=tile_steps,
                          in_place=not interpret)
 
@@ -258,13 +298,22 @@ def backward_dq(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles,
                 keys = (batch, pl.ds(step * bkv, bkv), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+                if kc_smem is not None:
+                    plgpu.copy_gmem_to_smem(k_ref.at[keys], kc_smem.at[slot], kc_ready.at[slot])
 
             ring_producer(load, steps=tile_steps, stages=stages, free=(kv_free,))
 
+    # dq += ds k contracts over the block's keys. wgmma contracts a 128-byte-swizzled operand in
+    # groups of 64, so 32-key blocks (head dim 256) take a second copy of k with the 64-byte
+    # swizzle for it (s = q k^T reads k transposed, which layout inference refuses with that
+    # swizzle).
+    contraction_copy = bkv < 64
     scratch = _own_scratch(bq, d, q.dtype, n_vectors=2) + [
         *[plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED) for _ in range(2)],
         *[plgpu.Barrier(num_barriers=stages) for _ in range(2)],
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)]
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        *([plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED_64),
+           plgpu.Barrier(num_barriers=stages)] if contraction_copy else [])]
     kernel = _kernel(body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=scratch,
                      grid=(n_tiles, h, b), interpret=interpret)
     with jax.named_scope(f"flash_dq_mosaic_block_q={bq}_block_kv={bkv}"):
@@ -277,27 +326,38 @@ def backward_dkv(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles
     b, sp, hkv, d = k.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
     n_tiles = sp // (CONSUMERS * bkv)
+    split = splits_dkv_roles(d)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem2, v_smem2,
              k_ready, v_ready, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
-             lse_ready, delta_ready, q_free):
+             lse_ready, delta_ready, q_free, *done):
         tile = lax.axis_index("tile")
         batch, kv_head, wg = (lax.axis_index("batch"), lax.axis_index("head"),
                               lax.axis_index("wg"))
         tile_base = tile * (CONSUMERS * bkv)
-        # the query blocks of one head the tile visits: those its first consumer sees
-        first_block, _ = q_blocks_for_key_tile(geo, tile_base, bkv, bq)
+        # the query blocks of one head the tile visits: those its first consumer sees (under the
+        # role split both see the whole tile)
+        first_block, _ = q_blocks_for_key_tile(geo, tile_base, (CONSUMERS if split else 1) * bkv,
+                                               bq)
         per_head = geo.padded_q // bq - first_block
         ready = (q_ready, do_ready, lse_ready, delta_ready)
+
+        def consumer(owner, role):
+            refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem2.at[owner], v_smem2.at[owner],
+                    (k_ready.at[owner], v_ready.at[owner]), q_smem, do_smem, lse_smem,
+                    delta_smem, ready, q_free, batch, kv_head, tile_base, wg,
+                    done[0] if done else None)
+            _dkv_consumer(refs, geo=geo, tiles=tiles, first_block=first_block,
+                          per_head=per_head, in_place=not interpret, role=role)
 
         @pl.when(wg < CONSUMERS)
         def _():
             plgpu.set_max_registers(232, action="increase")
-            refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem2.at[wg], v_smem2.at[wg],
-                    (k_ready.at[wg], v_ready.at[wg]), q_smem, do_smem, lse_smem, delta_smem,
-                    ready, q_free, batch, kv_head, tile_base, wg)
-            _dkv_consumer(refs, geo=geo, tiles=tiles, first_block=first_block,
-                          per_head=per_head, in_place=not interpret)
+            if split:
+                pl.when(wg == 0)(lambda: consumer(0, DV))
+                pl.when(wg == 1)(lambda: consumer(0, DK))
+            else:
+                consumer(wg, BOTH)
 
         @pl.when(wg == CONSUMERS)
         def _():
@@ -316,11 +376,15 @@ def backward_dkv(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles
 
             ring_producer(load, steps=geo.group * per_head, stages=stages, free=(q_free,))
 
-    scratch = _own_scratch(bkv, d, k.dtype, n_vectors=0) + [
+    own = (_own_scratch(CONSUMERS * bkv, d, k.dtype, n_vectors=0, owners=1) if split
+           else _own_scratch(bkv, d, k.dtype, n_vectors=0))
+    scratch = own + [
         *[plgpu.SMEM((stages, bq, d), q.dtype, transforms=SWIZZLED) for _ in range(2)],
         *[plgpu.SMEM((stages, bq), jnp.float32) for _ in range(2)],
         *[plgpu.Barrier(num_barriers=stages) for _ in range(4)],
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)]
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        # the role split's consumers finish together before reusing the shared tiles
+        *([plgpu.Barrier(num_arrivals=CONSUMERS)] if split else [])]
     out = jax.ShapeDtypeStruct(k.shape, k.dtype)
     kernel = _kernel(body, out_type=[out, out], scratch=scratch, grid=(n_tiles, hkv, b),
                      interpret=interpret)

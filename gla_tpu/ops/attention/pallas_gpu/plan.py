@@ -18,10 +18,24 @@ SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
 # alignment padding Mosaic GPU adds to the buffers below: it reported 232568 bytes for tiles
 # (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
 ALLOCATION_SLACK = 2560
+# the same for the backward's buffers: Mosaic GPU reported 231552 bytes for the dq kernel at head
+# dim 256 with tiles (64, 32, 2) and 133232 at head dim 128 with (64, 64, 2), 1008 and 976 over
+# the sum of the buffers and barriers below
+BACKWARD_ALLOCATION_SLACK = 1024
 # what the Mosaic GPU forward takes (other problems take the Triton forward)
 MOSAIC_FORWARD_HEAD_DIMS = (64, 128, 256)
 MOSAIC_FORWARD_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MOSAIC_BACKWARD_HEAD_DIMS = (64, 128)
+MOSAIC_BACKWARD_HEAD_DIMS = (64, 128, 256)
+# From this head dim on, the dk/dv kernel's consumers split the roles (one accumulates dv, the
+# other dk, over the same keys): one warpgroup's dk and dv at D = 256 would take 256 registers
+# a thread.
+SPLIT_DKV_ROLES_FROM_HEAD_DIM = 256
+
+
+def splits_dkv_roles(head_dim: int) -> bool:
+    """Whether the Mosaic GPU dk/dv kernel splits dk and dv between its consumers at this head
+    dim (docs/gpu_backend.md)."""
+    return head_dim >= SPLIT_DKV_ROLES_FROM_HEAD_DIM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,33 +72,54 @@ class ForwardTiles:
 class BackwardTiles:
     """Tiles of the Mosaic GPU backward (performance only), for both of its kernels: the dq
     kernel's consumers own block_q query rows each and stream key blocks of block_kv; the dk/dv
-    kernel's own block_kv keys each and stream query blocks of block_q."""
+    kernel's own block_kv keys each and stream query blocks of block_q. At head dim 256 the dk/dv
+    kernel's consumers share a tile of 2 x block_kv keys instead (splits_dkv_roles), and
+    block_kv must be 32."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2  # streamed blocks in flight
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv"):
-            if getattr(self, name) not in (64, 128):
-                raise ValueError(f"BackwardTiles.{name}={getattr(self, name)!r} must be 64 or "
-                                 "128 (wgmma rows per warpgroup).")
+        if self.block_q not in (64, 128):
+            raise ValueError(f"BackwardTiles.block_q={self.block_q!r} must be 64 or 128 (wgmma "
+                             "rows per warpgroup).")
+        if self.block_kv not in (32, 64, 128):
+            raise ValueError(f"BackwardTiles.block_kv={self.block_kv!r} must be 32, 64 or 128 "
+                             "(32 at head dim 256 only).")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"BackwardTiles.stages={self.stages!r} must be one of 2, 3, 4.")
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """ValueError when the dk/dv kernel's tile does not suit the head dim: wgmma needs 64
+        rows a warpgroup, which the role split (head dim 256) gets from the whole 2 x 32-key
+        tile, and the other head dims from 64 or 128 keys per consumer."""
+        if splits_dkv_roles(head_dim) and self.block_kv != 32:
+            raise ValueError(f"BlockSizes.mosaic_backward={self} at head dim {head_dim}: "
+                             "block_kv must be 32 (the dk/dv kernel's two consumers share a "
+                             "64-key tile there).")
+        if not splits_dkv_roles(head_dim) and self.block_kv == 32:
+            raise ValueError(f"BlockSizes.mosaic_backward={self} at head dim {head_dim}: "
+                             "block_kv must be 64 or 128 (32 serves head dim 256 only).")
+
     def shared_memory_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """The larger of the two kernels' shared memory (own tiles, ring, barriers)."""
-        def kernel(own_rows, streamed_rows, own_vectors, streamed_vectors):
+        def kernel(own_rows, streamed_rows, own_vectors, streamed_vectors, streamed_tiles=2):
             own = CONSUMERS * own_rows * (2 * head_dim * itemsize + 4 * own_vectors)
-            ring = self.stages * streamed_rows * (2 * head_dim * itemsize + 4 * streamed_vectors)
+            ring = self.stages * streamed_rows * (streamed_tiles * head_dim * itemsize
+                                                  + 4 * streamed_vectors)
             return own + ring
-        need = max(kernel(self.block_q, self.block_kv, 2, 0),
+        # dq's ring holds k and v, and with 32-key blocks a second copy of k (its contraction
+        # operand, kernels_mosaic_backward.backward_dq)
+        need = max(kernel(self.block_q, self.block_kv, 2, 0, 3 if self.block_kv < 64 else 2),
                    kernel(self.block_kv, self.block_q, 0, 2))
-        return need + 8 * (4 * CONSUMERS + 5 * self.stages) + ALLOCATION_SLACK
+        return need + 8 * (4 * CONSUMERS + 6 * self.stages) + BACKWARD_ALLOCATION_SLACK
 
 
 def check_tiles(tiles: ForwardTiles | BackwardTiles, head_dim: int) -> None:
     """ValueError when the tiles do not fit in a Hopper block's shared memory at this head dim."""
+    if isinstance(tiles, BackwardTiles):
+        tiles.check_head_dim(head_dim)
     need = tiles.shared_memory_bytes(head_dim)
     if need > SHARED_MEMORY_BYTES:
         field = "mosaic_forward" if isinstance(tiles, ForwardTiles) else "mosaic_backward"
@@ -106,8 +141,7 @@ def mosaic_forward_unsupported_reason(head_dim: int, dtype, has_segments: bool) 
 
 
 def mosaic_backward_unsupported_reason(head_dim: int, dtype, has_segments: bool) -> str | None:
-    """Why the Mosaic GPU backward cannot take a problem (None when it can). At head dim 256 one
-    warpgroup's dk and dv accumulators alone would take 256 registers a thread."""
+    """Why the Mosaic GPU backward cannot take a problem (None when it can)."""
     if head_dim not in MOSAIC_BACKWARD_HEAD_DIMS:
         return f"head dim {head_dim} (it takes {MOSAIC_BACKWARD_HEAD_DIMS})"
     return mosaic_forward_unsupported_reason(head_dim, dtype, has_segments)
@@ -144,7 +178,7 @@ class BlockSizes:
     (not at head dim 128 with T and S <= 1024), Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
     `mosaic_forward` holds its tiles. `backward_kernel` and `mosaic_backward` do the same for the
-    backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128).
+    backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128 / 256).
     """
 
     block_q: int = 128
@@ -208,10 +242,12 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
                            num_warps_dkv=4, num_stages=3, num_stages_bwd=2)
     else:
         # Mosaic GPU forward at D = 256: 64 keys a step, two slots (the q/o tiles and the K/V
-        # ring take 197 KiB of the 227)
+        # ring take 197 KiB of the 227); backward: dq streams 32-key blocks (225 KiB with its
+        # second copy of k), dk/dv splits its consumers' roles over 64-key tiles (193 KiB)
         sizes = BlockSizes(64, 32, 64, 32, 32, 64, num_warps=8, num_warps_dq=8,
                            num_warps_dkv=8, num_stages=2, num_stages_bwd=1,
-                           mosaic_forward=ForwardTiles(64, 64, 2))
+                           mosaic_forward=ForwardTiles(64, 64, 2),
+                           mosaic_backward=BackwardTiles(64, 32, 2))
     if wide:
         sizes = dataclasses.replace(
             sizes, block_q=max(16, sizes.block_q // 2), block_kv=max(16, sizes.block_kv // 2),
