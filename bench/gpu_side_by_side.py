@@ -152,8 +152,7 @@ def attention_impls(causal, d):
     from gla_tpu import ops
     from gla_tpu.ops.attention.pallas_gpu import default_block_sizes
 
-    # ours as shipped (on Hopper: the Mosaic GPU forward at D 64 / 128 / 256, the Mosaic GPU
-    # backward at D 64 / 128), with the Triton forward forced (timed forward only) and with the
+    # ours as shipped (on Hopper: the Mosaic GPU forward and backward at D 64 / 128 / 256), with the Triton forward forced (timed forward only) and with the
     # Triton backward forced (timed forward+backward only), to show what each kernel brings
     defaults = default_block_sizes(d, jnp.bfloat16)
     triton_forward = dataclasses.replace(defaults, forward_kernel="triton")
@@ -216,6 +215,57 @@ def bench_attention(ctx, shapes, modes):
                            timing=time_jax(f, *arrs), flops=flops,
                            note=f"rel err vs ours {err:.1e}")
             except Exception as e:  # a peer that cannot take a shape is reported, not fatal
+                record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
+                       error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+# Segment ids: documents packed in each row (a new id after each token with probability 1 / 1024,
+# about four documents per 4096 tokens). Every block is masked with segment ids, in both our
+# kernels, so the time does not depend on where the documents end. cuDNN through
+# jax.nn.dot_product_attention takes sequence lengths, not segment ids: the peers are our kernels
+# before they took segment ids on Mosaic GPU (Triton forced) and our XLA backend.
+SEGMENT_SHAPES = [(4, 16, 4096, 128, True), (4, 16, 4096, 128, False), (4, 16, 4096, 64, True)]
+
+
+def bench_attention_segments(ctx, shapes, modes):
+    from gla_tpu import ops
+    from gla_tpu.ops.attention.pallas_gpu import default_block_sizes
+
+    rng = np.random.default_rng(ctx.seed)
+    for b, h, t, d, causal in shapes:
+        shape = (b, h, t, d, ("causal" if causal else "full") + "+segments")
+        arrs = [jnp.asarray(rng.standard_normal((b, t, h, d), np.float32), jnp.bfloat16)
+                for _ in range(3)]
+        ids = jnp.asarray(np.cumsum(rng.random((b, t)) < 1 / 1024, axis=1), jnp.int32)
+        ct = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
+        triton = dataclasses.replace(default_block_sizes(d, jnp.bfloat16),
+                                     forward_kernel="triton", backward_kernel="triton")
+        impls = {
+            "ours_pallas_gpu": dict(backend="pallas_gpu"),
+            "ours_triton": dict(backend="pallas_gpu", block_sizes=triton),
+            "ours_xla": dict(backend="xla"),
+        }
+        ours = None
+        for name, kwargs in impls.items():
+            def fn(q, k, v, kwargs=kwargs):
+                return ops.flash_attention(q, k, v, causal=causal, segment_ids=ids, **kwargs)
+            try:
+                out = jax.block_until_ready(jax.jit(fn)(*arrs))
+                ours = out if ours is None else ours
+                err = rel_err(out, ours)
+                if err > MATCH_TOLERANCE:
+                    record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
+                           error=f"output differs from ours: rel err {err:.2e}")
+                    continue
+                for mode in modes:
+                    f = fn if mode == "fwd" else fwd_bwd(fn, ct)
+                    flops = attention_flops(b, t, t, h, d, causal=causal,
+                                            backward=mode == "fwd+bwd")
+                    record(ctx, op="softmax", impl=name, shape=shape, mode=mode,
+                           timing=time_jax(f, *arrs), flops=flops,
+                           note=f"segment ids: {int(ids[0, -1]) + 1} documents in row 0; "
+                                f"rel err vs ours {err:.1e}")
+            except Exception as e:
                 record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
                        error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
@@ -456,8 +506,8 @@ def write_outputs(ctx, out_dir, tag):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", action="append",
-                        choices=["attention", "gla", "gla_per_head", "decode", "crossover",
-                                 "breakdown"],
+                        choices=["attention", "attention_segments", "gla", "gla_per_head",
+                                 "decode", "crossover", "breakdown"],
                         required=True)
     parser.add_argument("--gates", default=",".join(DEFAULT_GATES),
                         help=f"GLA: comma-separated log-gate distributions from {sorted(GATES)} "
@@ -495,6 +545,9 @@ def main(argv=None):
                 if args.attention_shapes:
                     shapes = [ATTENTION_SHAPES[int(i)] for i in args.attention_shapes.split(",")]
                 bench_attention(ctx, shapes, modes)
+            elif part == "attention_segments":
+                bench_attention_segments(ctx, SEGMENT_SHAPES[:1] if args.quick else SEGMENT_SHAPES,
+                                         modes)
             elif part in ("gla", "gla_per_head"):
                 shapes = GLA_SHAPES[:1] if args.quick else GLA_SHAPES
                 if args.gla_shapes:

@@ -55,6 +55,9 @@ FULL = pytest.mark.full
                  BF16, marks=FULL),
     # head dim 256 with its default tiles, GQA, padded keys
     (AttentionCase(1, 130, 200, 2, 1, 256, causal=True), ForwardTiles(64, 64, 2), F16),
+    # segment ids, a pair where some queries see no key: every block masked
+    (AttentionCase(1, 200, 300, 4, 2, 64, causal=False, segments="pair"),
+     ForwardTiles(64, 64, 2), BF16),
 ], ids=str)
 def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
@@ -77,6 +80,9 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
                  BF16, marks=FULL),
     # head dim 256: dq streams 32-key blocks, dk/dv's consumers split dk and dv over 64 keys
     (AttentionCase(1, 130, 200, 2, 1, 256, causal=True), BackwardTiles(64, 32, 2), BF16),
+    # segment ids (a shared array) with causal masking, GQA: the ids streamed on both sides
+    (AttentionCase(1, 200, 200, 4, 2, 64, causal=True, segments="shared"),
+     BackwardTiles(64, 64, 2), F16),
 ], ids=str)
 def test_mosaic_backward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, backward_kernel="mosaic_gpu", mosaic_backward=tiles)
@@ -212,23 +218,26 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
     assert text.count("xla.gpu.triton") == 2  # dq, dkv
 
 
-@pytest.mark.parametrize("head_dim,causal,tiles", [
-    (64, True, BackwardTiles()), (128, False, BackwardTiles(64, 128, 2)),
-    (256, True, BackwardTiles(64, 32, 2))])
-def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles):
+@pytest.mark.parametrize("head_dim,causal,tiles,segments", [
+    (64, True, BackwardTiles(), False), (128, False, BackwardTiles(64, 128, 2), False),
+    (256, True, BackwardTiles(64, 32, 2), False), (64, False, BackwardTiles(), True)])
+def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments):
     """Forward, dq and dk/dv through Mosaic GPU's lowering for CUDA (layout inference, wgmma
-    shapes, shared-memory transforms), GQA and padded lengths."""
+    shapes, shared-memory transforms, the shared-memory budget), GQA and padded lengths."""
     q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
+    ids_q = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+    ids_kv = jax.ShapeDtypeStruct((2, 1100), jnp.int32)
     sizes = dataclasses.replace(default_block_sizes(head_dim, jnp.bfloat16),
                                 forward_kernel="mosaic_gpu", backward_kernel="mosaic_gpu",
                                 mosaic_backward=tiles)
 
-    def loss(q, k, v):
-        o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes)
+    def loss(q, k, v, sq, skv):
+        o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes,
+                                segment_ids=(sq, skv) if segments else None)
         return jnp.sum(o.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids_q, ids_kv).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 3
     assert text.count("xla.gpu.triton") == 0
@@ -237,9 +246,9 @@ def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles):
 @pytest.mark.parametrize("field,kwargs,match", [
     ("forward_kernel", dict(head_dim=32), "head dim 32"),
     ("backward_kernel", dict(head_dim=32), "head dim 32"),
-    *[(field, kwargs, match) for field in ("forward_kernel", "backward_kernel")
-      for kwargs, match in ((dict(dtype=jnp.float32), "float32"),
-                            (dict(segments=True), "segment_ids"))],
+    ("backward_kernel", dict(head_dim=256, segments=True), "segment_ids at head dim 256"),
+    *[(field, dict(dtype=jnp.float32), "float32")
+      for field in ("forward_kernel", "backward_kernel")],
 ])
 def test_forced_mosaic_refuses_what_it_cannot_take(field, kwargs, match):
     head_dim = kwargs.get("head_dim", 64)
@@ -302,7 +311,7 @@ def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
     assert plan.mosaic_forward_tiles(_problem(), sizes, True) is None  # interpret: Triton
     assert plan.mosaic_forward_tiles(_problem(32), sizes, False) is None
     assert plan.mosaic_forward_tiles(_problem(dtype=jnp.float32), sizes, False) is None
-    assert plan.mosaic_forward_tiles(_problem(segments=True), sizes, False) is None
+    assert plan.mosaic_forward_tiles(_problem(segments=True), sizes, False) is not None
     triton = BlockSizes(forward_kernel="triton")
     assert plan.mosaic_forward_tiles(_problem(), triton, False) is None
     # short sequences at head dim 128: "auto" takes Triton, "mosaic_gpu" still insists
@@ -323,7 +332,8 @@ def test_auto_takes_mosaic_backward_on_hopper_only(monkeypatch):
     wide = default_block_sizes(256, jnp.bfloat16)
     assert plan.mosaic_backward_tiles(_problem(256), wide, False) == BackwardTiles(64, 32, 2)
     assert plan.mosaic_backward_tiles(_problem(dtype=jnp.float32), sizes, False) is None
-    assert plan.mosaic_backward_tiles(_problem(segments=True), sizes, False) is None
+    assert plan.mosaic_backward_tiles(_problem(segments=True), sizes, False) is not None
+    assert plan.mosaic_backward_tiles(_problem(256, segments=True), wide, False) is None
     triton = BlockSizes(backward_kernel="triton")
     assert plan.mosaic_backward_tiles(_problem(), triton, False) is None
     monkeypatch.setattr(backends, "is_hopper", lambda: False)
@@ -340,6 +350,10 @@ GPU_CASES = [
     AttentionCase(1, 2048, 2048, 4, 4, 256, causal=True),
     AttentionCase(2, 1000, 1500, 4, 2, 256, causal=True),
     AttentionCase(1, 1029, 777, 2, 2, 256, causal=False),
+    # segment ids on the Mosaic GPU kernels (at D = 256 the backward is Triton's)
+    AttentionCase(2, 1000, 1000, 4, 2, 128, causal=True, segments="shared"),
+    AttentionCase(1, 777, 1029, 4, 4, 64, causal=False, segments="pair"),
+    AttentionCase(1, 1000, 1200, 4, 2, 256, causal=True, segments="pair"),
 ]
 
 
@@ -347,8 +361,11 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_gpu_parity(case, dtype):
-    # the Mosaic GPU forward, and the Mosaic GPU backward where it applies (D 64 / 128)
-    backward = "mosaic_gpu" if case.head_dim in plan.MOSAIC_BACKWARD_HEAD_DIMS else "triton"
+    # the Mosaic GPU forward, and the Mosaic GPU backward where it applies (not to segment ids
+    # at D = 256)
+    takes = plan.mosaic_backward_unsupported_reason(case.head_dim, dtype,
+                                                    case.segments != "none") is None
+    backward = "mosaic_gpu" if takes else "triton"
     sizes = dataclasses.replace(default_block_sizes(case.head_dim, dtype),
                                 forward_kernel="mosaic_gpu", backward_kernel=backward)
     check_attention_parity(case, jax.random.key(6), dtype=dtype, backend="pallas_gpu",
@@ -396,7 +413,7 @@ TRITON_GPU_CASES = [
 @pytest.mark.parametrize("case", TRITON_GPU_CASES, ids=str)
 def test_gpu_triton_parity_bf16(case):
     # the Triton forward, forced: on Hopper "auto" takes the Mosaic GPU forward at D 64 / 128 /
-    # 256 without segments, which test_gpu_parity above checks at these shapes
+    # 256, which test_gpu_parity above checks
     sizes = dataclasses.replace(default_block_sizes(case.head_dim, jnp.bfloat16),
                                 forward_kernel="triton")
     check_attention_parity(case, jax.random.key(2), dtype=jnp.bfloat16, backend="pallas_gpu",
@@ -411,8 +428,8 @@ def test_gpu_triton_parity_dtypes(dtype, head_dim):
     check_attention_parity(case, jax.random.key(3), dtype=dtype, backend="pallas_gpu")
 
 
-# Ring attention (T split over 2 GPUs): the Mosaic GPU forward (no segments) and the Triton one
-# (segments; not causal, where a row can see no key of a block), under the pass rule.
+# Ring attention (T split over 2 GPUs): the Mosaic GPU forward, with and without segments (not
+# causal, where a row can see no key of a block), under the pass rule.
 RING_GPU_CASES = [
     AttentionCase(1, 8192, 8192, 8, 2, 128, causal=True),
     AttentionCase(2, 2048, 2048, 4, 4, 64, causal=True, segments="shared"),

@@ -30,8 +30,8 @@ CAPABILITIES = Capabilities(
     dtypes=("bfloat16", "float16", "float32"),
     dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
     notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 / "
-          "256 in bf16 / f16 without segment_ids, Triton elsewhere; dq and dk/dv kernels: Mosaic "
-          "GPU on Hopper under the same conditions, Triton elsewhere",
+          "256 in bf16 / f16, Triton elsewhere; dq and dk/dv kernels: Mosaic GPU on Hopper under "
+          "the same conditions (with segment_ids at head_dim 64 / 128), Triton elsewhere",
     block_sizes=BlockSizes,
 )
 

@@ -91,13 +91,19 @@ def _load_own(pairs, ready):
         plgpu.barrier_wait(barrier)
 
 
-def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_place: bool):
+def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps,
+                 in_place: bool):
+    """seg_refs: None, or (q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready) with
+    segment ids (the rows' own ids; the key blocks' ids streamed beside k and v)."""
     (q_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem, own_ready,
      k_smem, v_smem, k_ready, v_ready, kv_free, batch, head, tile_base, wg, kc_smem,
      kc_ready) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
     # the keys dq += ds k contracts over: k_smem itself, or its 64-byte-swizzled copy (32 keys)
     ready = (k_ready, v_ready) + ((kc_ready,) if kc_ready is not None else ())
+    if seg_refs is not None:
+        q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready = seg_refs
+        ready += (k_seg_ready,)
     dtype = q_ref.dtype
     scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
@@ -105,11 +111,17 @@ def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_pl
     full, hi = kv_blocks_for_query_tile(geo, q_base, bq, bkv)
     rows = (batch, pl.ds(q_base, bq), head)
     row_vec = (batch, head, pl.ds(q_base, bq))
-    _load_own([(q_ref.at[rows], q_smem), (do_ref.at[rows], do_smem),
-               (lse_ref.at[row_vec], lse_smem), (delta_ref.at[row_vec], delta_smem)], own_ready)
+    own = [(q_ref.at[rows], q_smem), (do_ref.at[rows], do_smem),
+           (lse_ref.at[row_vec], lse_smem), (delta_ref.at[row_vec], delta_smem)]
+    if seg_refs is not None:
+        own.append((q_seg_ref.at[batch, pl.ds(q_base, bq)], q_seg_smem))
+        own_ready = own_ready + (q_seg_ready,)
+    _load_own(own, own_ready)
     per_row = plgpu.Layout.WGMMA.reduce(1)
     lse = lax.broadcast_in_dim(plgpu.load(lse_smem, layout=per_row), (bq, bkv), [0])
     delta = lax.broadcast_in_dim(plgpu.load(delta_smem, layout=per_row), (bq, bkv), [0])
+    if seg_refs is not None:  # broadcast over the keys where a step masks
+        q_seg_rows = plgpu.load(q_seg_smem, layout=per_row)
 
     def step_fn(masked: bool, step, dq):
         slot = lax.rem(step, jnp.int32(tiles.stages))
@@ -119,8 +131,15 @@ def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_pl
                            (do_smem, v_smem.at[slot].transpose((1, 0)))], (bq, bkv))
         p = jnp.exp2(s * scale2 - lse)
         if masked:
+            segs = (None, None)
+            if seg_refs is not None:
+                plgpu.barrier_wait(k_seg_ready.at[slot])
+                segs = (lax.broadcast_in_dim(q_seg_rows, (bq, bkv), [0]),
+                        lax.broadcast_in_dim(plgpu.load(k_seg_smem.at[slot],
+                                                        layout=plgpu.Layout.WGMMA.reduce(0)),
+                                             (bq, bkv), [1]))
             visible = visibility_mask(geo, _iota((bq, bkv), 0, q_base),
-                                      _iota((bq, bkv), 1, step * bkv), None, None,
+                                      _iota((bq, bkv), 1, step * bkv), *segs,
                                       check_len=check_len)
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
@@ -154,8 +173,10 @@ def _dq_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps, in_pl
 BOTH, DV, DK = "dk,dv", "dv", "dk"
 
 
-def _dkv_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, first_block, per_head,
-                  in_place: bool, role: str):
+def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, first_block,
+                  per_head, in_place: bool, role: str):
+    """seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready, q_seg_smem) with segment ids (the
+    keys' own ids; the query blocks' ids streamed with q, their barrier among `ready`)."""
     (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, own_ready, q_smem, do_smem, lse_smem,
      delta_smem, ready, q_free, batch, kv_head, tile_base, wg, done) = refs
     bq, keys, d = tiles.block_q, k_smem.shape[0], k_ref.shape[-1]
@@ -165,15 +186,22 @@ def _dkv_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, first_block, per
     lo, full = q_blocks_for_key_tile(geo, k_base, keys, bq)
     n_q = geo.padded_q // bq
     rows = (batch, pl.ds(k_base, keys), kv_head)
+    own = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
+    if seg_refs is not None:
+        k_seg_ref, k_seg_smem, k_seg_ready, q_seg_smem = seg_refs
+        own.append((k_seg_ref.at[batch, pl.ds(k_base, keys)], k_seg_smem))
+        own_ready = own_ready + (k_seg_ready,)
     if role == BOTH:
-        _load_own([(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)], own_ready)
-    else:  # each role fetches one of the shared tiles, and both wait for both
-        src, dst, barrier = ((k_ref.at[rows], k_smem, own_ready[0]) if role == DV
-                             else (v_ref.at[rows], v_smem, own_ready[1]))
-        plgpu.copy_gmem_to_smem(src, dst, barrier)
+        _load_own(own, own_ready)
+    else:  # the dv role fetches k (and the ids), the dk role v; both wait for all
+        for i, ((src, dst), barrier) in enumerate(zip(own, own_ready)):
+            if (i == 1) == (role == DK):
+                plgpu.copy_gmem_to_smem(src, dst, barrier)
         for barrier in own_ready:
             plgpu.barrier_wait(barrier)
     per_col = plgpu.Layout.WGMMA.reduce(0)
+    if seg_refs is not None:  # broadcast over the queries where a step masks
+        k_seg_rows = plgpu.load(k_seg_smem, layout=plgpu.Layout.WGMMA.reduce(1))
 
     def per_query(vectors, slot):
         return lax.broadcast_in_dim(plgpu.load(vectors.at[slot], layout=per_col), (keys, bq), [1])
@@ -193,9 +221,13 @@ def _dkv_consumer(refs, *, geo: Geometry, tiles: BackwardTiles, first_block, per
             (st,) = _products([(k_smem, q_t)], (keys, bq))
         pt = jnp.exp2(st * scale2 - lse)
         if masked:
+            segs = (None, None)
+            if seg_refs is not None:  # (query ids, key ids), [keys, bq] each
+                segs = (per_query(q_seg_smem, slot),
+                        lax.broadcast_in_dim(k_seg_rows, (keys, bq), [0]))
             # keys past kv_len only reach dk/dv rows the caller slices away: no length check
             visible = visibility_mask(geo, _iota((keys, bq), 1, block * bq),
-                                      _iota((keys, bq), 0, k_base), None, None, check_len=False)
+                                      _iota((keys, bq), 0, k_base), *segs, check_len=False)
             if visible is not None:
                 pt = jnp.where(visible, pt, 0.0)
         if role == DV:
@@ -261,17 +293,39 @@ def _own_scratch(rows: int, d: int, dtype, n_vectors: int, owners: int = CONSUME
     return tiles + vectors + barriers
 
 
-def backward_dq(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles, interpret):
-    """dq [B, Tp, H, D] in q's dtype from q, do [B, Tp, H, D], k, v [B, Sp, Hkv, D] and the
-    base-2 lse and delta [B, H, Tp]. Tp must be a multiple of 2 * block_q, Sp of block_kv."""
+def _take(refs: list, n: int) -> list:
+    """The next n of a kernel body's flat refs (popped from the front); [None] * n for n < 0
+    (a group of optional refs the kernel does not have)."""
+    if n < 0:
+        return [None] * -n
+    taken = refs[:n]
+    del refs[:n]
+    return taken
+
+
+def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geometry,
+                tiles: BackwardTiles, interpret):
+    """dq [B, Tp, H, D] in q's dtype from q, do [B, Tp, H, D], k, v [B, Sp, Hkv, D], the base-2
+    lse and delta [B, H, Tp] and the segment ids q_seg [B, Tp], kv_seg [B, Sp] (None without).
+    Tp must be a multiple of 2 * block_q, Sp of block_kv."""
     b, tp, h, d = q.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
     n_tiles = tp // (CONSUMERS * bq)
+    segments = geo.has_segments
+    # dq += ds k contracts over the block's keys. wgmma contracts a 128-byte-swizzled operand in
+    # groups of 64, so 32-key blocks (head dim 256) take a second copy of k with the 64-byte
+    # swizzle for it (s = q k^T reads k transposed, which layout inference refuses with that
+    # swizzle).
+    contraction_copy = bkv < 64
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem2, do_smem2,
-             lse_smem2, delta_smem2, q_ready, do_ready, lse_ready, delta_ready, k_smem, v_smem,
-             k_ready, v_ready, kv_free, *contraction_keys):
-        kc_smem, kc_ready = contraction_keys or (None, None)
+    def body(*flat):
+        refs = list(flat)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = _take(refs, 6)
+        q_seg_ref, k_seg_ref = _take(refs, 2 if segments else -2)
+        (dq_ref, q_smem2, do_smem2, lse_smem2, delta_smem2, q_ready, do_ready, lse_ready,
+         delta_ready, k_smem, v_smem, k_ready, v_ready, kv_free) = _take(refs, 14)
+        kc_smem, kc_ready = _take(refs, 2 if contraction_copy else -2)
+        q_seg_smem2, q_seg_ready, k_seg_smem, k_seg_ready = _take(refs, 4 if segments else -4)
         tile = lax.axis_index("tile")
         if geo.causal:  # the tiles with the most keys first
             tile = n_tiles - 1 - tile
@@ -286,7 +340,9 @@ def backward_dq(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles,
             refs = (q_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem2.at[wg], do_smem2.at[wg],
                     lse_smem2.at[wg], delta_smem2.at[wg], own_ready, k_smem, v_smem, k_ready,
                     v_ready, kv_free, batch, head, tile_base, wg, kc_smem, kc_ready)
-            _dq_consumer(refs, geo=geo, tiles=tiles, tile_steps=tile_steps,
+            seg_refs = ((q_seg_ref, q_seg_smem2.at[wg], q_seg_ready.at[wg], k_seg_smem,
+                         k_seg_ready) if segments else None)
+            _dq_consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_steps=tile_steps,
                          in_place=not interpret)
 
         @pl.when(wg == CONSUMERS)
@@ -298,39 +354,49 @@ def backward_dq(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles,
                 keys = (batch, pl.ds(step * bkv, bkv), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
-                if kc_smem is not None:
+                if contraction_copy:
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], kc_smem.at[slot], kc_ready.at[slot])
+                if segments:
+                    plgpu.copy_gmem_to_smem(k_seg_ref.at[batch, pl.ds(step * bkv, bkv)],
+                                            k_seg_smem.at[slot], k_seg_ready.at[slot])
 
             ring_producer(load, steps=tile_steps, stages=stages, free=(kv_free,))
 
-    # dq += ds k contracts over the block's keys. wgmma contracts a 128-byte-swizzled operand in
-    # groups of 64, so 32-key blocks (head dim 256) take a second copy of k with the 64-byte
-    # swizzle for it (s = q k^T reads k transposed, which layout inference refuses with that
-    # swizzle).
-    contraction_copy = bkv < 64
     scratch = _own_scratch(bq, d, q.dtype, n_vectors=2) + [
         *[plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED) for _ in range(2)],
         *[plgpu.Barrier(num_barriers=stages) for _ in range(2)],
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-        *([plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED_64),
-           plgpu.Barrier(num_barriers=stages)] if contraction_copy else [])]
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)]
+    if contraction_copy:
+        scratch += [plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED_64),
+                    plgpu.Barrier(num_barriers=stages)]
+    if segments:  # the rows' own ids; the key blocks' ids beside k and v
+        scratch += [plgpu.SMEM((CONSUMERS, bq), jnp.int32), plgpu.Barrier(num_barriers=CONSUMERS),
+                    plgpu.SMEM((stages, bkv), jnp.int32), plgpu.Barrier(num_barriers=stages)]
     kernel = _kernel(body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=scratch,
                      grid=(n_tiles, h, b), interpret=interpret)
     with jax.named_scope(f"flash_dq_mosaic_block_q={bq}_block_kv={bkv}"):
-        return kernel(q, k, v, do, lse, delta)
+        return kernel(q, k, v, do, lse, delta, *((q_seg, kv_seg) if segments else ()))
 
 
-def backward_dkv(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles, interpret):
-    """(dk, dv) [B, Sp, Hkv, D] in k's dtype, summed over each kv head's query group. Sp must be
-    a multiple of 2 * block_kv, Tp of block_q."""
+def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geometry,
+                 tiles: BackwardTiles, interpret):
+    """(dk, dv) [B, Sp, Hkv, D] in k's dtype, summed over each kv head's query group; segment ids
+    as backward_dq's. Sp must be a multiple of 2 * block_kv, Tp of block_q."""
     b, sp, hkv, d = k.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
     n_tiles = sp // (CONSUMERS * bkv)
     split = splits_dkv_roles(d)
+    segments = geo.has_segments
+    owners, own_rows = (1, CONSUMERS * bkv) if split else (CONSUMERS, bkv)
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem2, v_smem2,
-             k_ready, v_ready, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
-             lse_ready, delta_ready, q_free, *done):
+    def body(*flat):
+        refs = list(flat)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = _take(refs, 6)
+        q_seg_ref, k_seg_ref = _take(refs, 2 if segments else -2)
+        (dk_ref, dv_ref, k_smem2, v_smem2, k_ready, v_ready, q_smem, do_smem, lse_smem,
+         delta_smem, q_ready, do_ready, lse_ready, delta_ready, q_free) = _take(refs, 15)
+        (done,) = _take(refs, 1 if split else -1)
+        k_seg_smem2, k_seg_ready, q_seg_smem, q_seg_ready = _take(refs, 4 if segments else -4)
         tile = lax.axis_index("tile")
         batch, kv_head, wg = (lax.axis_index("batch"), lax.axis_index("head"),
                               lax.axis_index("wg"))
@@ -340,14 +406,15 @@ def backward_dkv(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles
         first_block, _ = q_blocks_for_key_tile(geo, tile_base, (CONSUMERS if split else 1) * bkv,
                                                bq)
         per_head = geo.padded_q // bq - first_block
-        ready = (q_ready, do_ready, lse_ready, delta_ready)
+        ready = (q_ready, do_ready, lse_ready, delta_ready) + ((q_seg_ready,) if segments else ())
 
         def consumer(owner, role):
             refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem2.at[owner], v_smem2.at[owner],
                     (k_ready.at[owner], v_ready.at[owner]), q_smem, do_smem, lse_smem,
-                    delta_smem, ready, q_free, batch, kv_head, tile_base, wg,
-                    done[0] if done else None)
-            _dkv_consumer(refs, geo=geo, tiles=tiles, first_block=first_block,
+                    delta_smem, ready, q_free, batch, kv_head, tile_base, wg, done)
+            seg_refs = ((k_seg_ref, k_seg_smem2.at[owner], k_seg_ready.at[owner], q_seg_smem)
+                        if segments else None)
+            _dkv_consumer(refs, seg_refs, geo=geo, tiles=tiles, first_block=first_block,
                           per_head=per_head, in_place=not interpret, role=role)
 
         @pl.when(wg < CONSUMERS)
@@ -368,26 +435,30 @@ def backward_dkv(q, k, v, do, lse, delta, *, geo: Geometry, tiles: BackwardTiles
                 block = first_block + lax.rem(step, per_head)
                 rows = (batch, pl.ds(block * bq, bq), head)
                 vec = (batch, head, pl.ds(block * bq, bq))
-                for src, dst, barrier in ((q_ref.at[rows], q_smem, q_ready),
-                                          (do_ref.at[rows], do_smem, do_ready),
-                                          (lse_ref.at[vec], lse_smem, lse_ready),
-                                          (delta_ref.at[vec], delta_smem, delta_ready)):
+                copies = [(q_ref.at[rows], q_smem, q_ready), (do_ref.at[rows], do_smem, do_ready),
+                          (lse_ref.at[vec], lse_smem, lse_ready),
+                          (delta_ref.at[vec], delta_smem, delta_ready)]
+                if segments:
+                    copies.append((q_seg_ref.at[batch, pl.ds(block * bq, bq)], q_seg_smem,
+                                   q_seg_ready))
+                for src, dst, barrier in copies:
                     plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
 
             ring_producer(load, steps=geo.group * per_head, stages=stages, free=(q_free,))
 
-    own = (_own_scratch(CONSUMERS * bkv, d, k.dtype, n_vectors=0, owners=1) if split
-           else _own_scratch(bkv, d, k.dtype, n_vectors=0))
-    scratch = own + [
+    scratch = _own_scratch(own_rows, d, k.dtype, n_vectors=0, owners=owners) + [
         *[plgpu.SMEM((stages, bq, d), q.dtype, transforms=SWIZZLED) for _ in range(2)],
         *[plgpu.SMEM((stages, bq), jnp.float32) for _ in range(2)],
         *[plgpu.Barrier(num_barriers=stages) for _ in range(4)],
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-        # the role split's consumers finish together before reusing the shared tiles
-        *([plgpu.Barrier(num_arrivals=CONSUMERS)] if split else [])]
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)]
+    if split:  # the role split's consumers finish together before reusing the shared tiles
+        scratch.append(plgpu.Barrier(num_arrivals=CONSUMERS))
+    if segments:  # the keys' own ids; the query blocks' ids beside q
+        scratch += [plgpu.SMEM((owners, own_rows), jnp.int32), plgpu.Barrier(num_barriers=owners),
+                    plgpu.SMEM((stages, bq), jnp.int32), plgpu.Barrier(num_barriers=stages)]
     out = jax.ShapeDtypeStruct(k.shape, k.dtype)
     kernel = _kernel(body, out_type=[out, out], scratch=scratch, grid=(n_tiles, hkv, b),
                      interpret=interpret)
     with jax.named_scope(f"flash_dkv_mosaic_block_q={bq}_block_kv={bkv}"):
-        dk, dv = kernel(q, k, v, do, lse, delta)
+        dk, dv = kernel(q, k, v, do, lse, delta, *((q_seg, kv_seg) if segments else ()))
     return dk, dv

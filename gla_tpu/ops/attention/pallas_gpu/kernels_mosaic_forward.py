@@ -11,9 +11,10 @@ warpgroups:
 Outputs match the Triton forward exactly in meaning, so the Triton backward consumes them: o in
 q's dtype and the base-2 log-sum-exp lse [B, H, Tp] (0 for a row that sees no key, whose o is 0).
 Causal masking is bottom-right (key j visible to query i iff j <= i + S - T); keys at or past the
-true S are masked. Segment ids, float32 and head dims other than 64 / 128 / 256 take the
-Triton forward (plan.mosaic_forward_unsupported_reason). docs/gpu_backend.md has the design and
-the measurements.
+true S are masked. With segment ids each consumer holds its rows' ids and the producer streams the
+key blocks' ids beside K and V; every block is then masked. float32 and head dims other than
+64 / 128 / 256 take the Triton forward (plan.mosaic_forward_unsupported_reason).
+docs/gpu_backend.md has the design and the measurements.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def _row_broadcast(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place: bool):
+def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps,
+              in_place: bool):
+    """seg_refs: None, or (q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready) with
+    segment ids."""
     (q_ref, o_ref, lse_ref, qo_smem, lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
      k_free, v_free, turn, batch, head, tile_base, wg) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
@@ -56,9 +60,15 @@ def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place:
     full, hi = kv_blocks_for_query_tile(geo, q_base, bq, bkv)
 
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_ready)
+    if seg_refs is not None:
+        q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready = seg_refs
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_base, bq)], q_seg_smem, q_seg_ready)
+        plgpu.barrier_wait(q_seg_ready)
     plgpu.barrier_wait(q_ready)
 
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+    if seg_refs is not None:  # the rows' ids, broadcast over the keys where a step masks
+        q_seg_rows = plgpu.load(q_seg_smem, layout=wgmma_rows)
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
     l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
     acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -84,7 +94,14 @@ def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place:
                                                     layout=plgpu.Layout.WGMMA)
             k_pos = step * bkv + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1,
                                                         layout=plgpu.Layout.WGMMA)
-            visible = visibility_mask(geo, q_pos, k_pos, None, None, check_len=check_len)
+            segs = (None, None)
+            if seg_refs is not None:  # the slot's ids stay until v_free: read them now
+                plgpu.barrier_wait(k_seg_ready.at[slot])
+                k_seg = lax.broadcast_in_dim(
+                    plgpu.load(k_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)),
+                    (bq, bkv), [1])
+                segs = (_row_broadcast(q_seg_rows, (bq, bkv)), k_seg)
+            visible = visibility_mask(geo, q_pos, k_pos, *segs, check_len=check_len)
             if visible is not None:
                 s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -114,7 +131,8 @@ def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place:
         """A step the other consumer needs and this one does not: free its slots, keep turns.
 
         It still waits for the loads, so that each consumer sees every phase of every barrier."""
-        release_step(slot_of(step), (k_ready, v_ready), (k_free, v_free))
+        release_step(slot_of(step), (k_ready, v_ready) + ((k_seg_ready,) if seg_refs else ()),
+                     (k_free, v_free))
         _take_turn(turn)
         _take_turn(turn)
         return carry
@@ -136,7 +154,8 @@ def _consumer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps, in_place:
     plgpu.wait_smem_to_gmem(0)
 
 
-def _producer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps):
+def _producer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps):
+    """seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready) with segment ids."""
     (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head) = refs
     bkv = tiles.block_kv
     kv_head = lax.div(head, jnp.int32(geo.group))
@@ -145,12 +164,18 @@ def _producer(refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps):
         rows = (batch, pl.ds(step * bkv, bkv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+        if seg_refs is not None:
+            k_seg_ref, k_seg_smem, k_seg_ready = seg_refs
+            plgpu.copy_gmem_to_smem(k_seg_ref.at[batch, pl.ds(step * bkv, bkv)],
+                                    k_seg_smem.at[slot], k_seg_ready.at[slot])
 
     ring_producer(load, steps=tile_steps, stages=tiles.stages, free=(k_free, v_free))
 
 
-def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):
-    """q [B, Tp, H, D], k/v [B, Sp, Hkv, D] -> (o [B, Tp, H, D], lse [B, H, Tp] float32).
+def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTiles,
+            interpret: bool):
+    """q [B, Tp, H, D], k/v [B, Sp, Hkv, D], segment ids q_seg [B, Tp], kv_seg [B, Sp] int32 or
+    None -> (o [B, Tp, H, D], lse [B, H, Tp] float32).
 
     Tp must be a multiple of 2 * block_q and Sp of block_kv (pallas_gpu.py pads).
     """
@@ -161,8 +186,16 @@ def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):
         raise ValueError(f"padded lengths {tp}, {k.shape[1]} must be multiples of "
                          f"{tiles.query_multiple}, {bkv}")
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, lse_smem2, k_smem, v_smem,
-             q_ready, k_ready, v_ready, k_free, v_free, turn):
+    segments = geo.has_segments
+
+    def body(*refs):
+        if segments:
+            (q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, qo_smem2, lse_smem2,
+             k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, q_seg_smem2,
+             k_seg_smem, q_seg_ready, k_seg_ready) = refs
+        else:
+            (q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem2, lse_smem2, k_smem, v_smem, q_ready,
+             k_ready, v_ready, k_free, v_free, turn) = refs
         tile = lax.axis_index("tile")
         if geo.causal:  # the longest tiles (most keys) first
             tile = n_tiles - 1 - tile
@@ -177,13 +210,17 @@ def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):
             refs = (q_ref, o_ref, lse_ref, qo_smem2.at[wg], lse_smem2.at[wg], k_smem, v_smem,
                     q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn, batch, head,
                     tile_base, wg)
-            _consumer(refs, geo=geo, tiles=tiles, tile_steps=tile_steps, in_place=not interpret)
+            seg_refs = ((q_seg_ref, q_seg_smem2.at[wg], q_seg_ready.at[wg], k_seg_smem,
+                         k_seg_ready) if segments else None)
+            _consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_steps=tile_steps,
+                      in_place=not interpret)
 
         @pl.when(wg == CONSUMERS)
         def _():
             plgpu.set_max_registers(40, action="decrease")
             refs = (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head)
-            _producer(refs, geo=geo, tiles=tiles, tile_steps=tile_steps)
+            seg_refs = (k_seg_ref, k_seg_smem, k_seg_ready) if segments else None
+            _producer(refs, seg_refs, geo=geo, tiles=tiles, tile_steps=tile_steps)
 
     scratch = [
         plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=SWIZZLED),  # q, then o
@@ -197,6 +234,13 @@ def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=tiles.stages),  # v_free
         plgpu.Barrier(num_arrivals=CONSUMERS),  # turn
     ]
+    if segments:
+        scratch += [
+            plgpu.SMEM((CONSUMERS, bq), jnp.int32),  # the consumers' query ids
+            plgpu.SMEM((tiles.stages, bkv), jnp.int32),  # the key blocks' ids, beside K and V
+            plgpu.Barrier(num_barriers=CONSUMERS),  # q_seg_ready
+            plgpu.Barrier(num_barriers=tiles.stages),  # k_seg_ready
+        ]
     kernel = plgpu.kernel(
         body,
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -210,5 +254,5 @@ def forward(q, k, v, *, geo: Geometry, tiles: ForwardTiles, interpret: bool):
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     with jax.named_scope(f"flash_fwd_mosaic_block_q={bq}_block_kv={bkv}"):
-        o, lse = kernel(q, k, v)
+        o, lse = kernel(q, k, v, *((q_seg, kv_seg) if segments else ()))
     return o, lse

@@ -59,13 +59,17 @@ class ForwardTiles:
     def query_multiple(self) -> int:
         return CONSUMERS * self.block_q
 
-    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of one block: q/o tiles, lse rows, the K/V ring and the barriers."""
+    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2,
+                            segments: bool = False) -> int:
+        """Shared memory of one block: q/o tiles, lse rows, the K/V ring and the barriers (and
+        with segment ids the rows' ids and the key blocks' ids)."""
         q_o = CONSUMERS * self.block_q * head_dim * itemsize
         lse = CONSUMERS * self.block_q * 4
         kv_ring = 2 * self.stages * self.block_kv * head_dim * itemsize
         barriers = 8 * (CONSUMERS + 4 * self.stages + 1)
-        return q_o + lse + kv_ring + barriers + ALLOCATION_SLACK
+        ids = segments * (4 * (CONSUMERS * self.block_q + self.stages * self.block_kv)
+                          + 8 * (CONSUMERS + self.stages))
+        return q_o + lse + kv_ring + barriers + ids + ALLOCATION_SLACK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,25 +106,30 @@ class BackwardTiles:
             raise ValueError(f"BlockSizes.mosaic_backward={self} at head dim {head_dim}: "
                              "block_kv must be 64 or 128 (32 serves head dim 256 only).")
 
-    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """The larger of the two kernels' shared memory (own tiles, ring, barriers)."""
+    def shared_memory_bytes(self, head_dim: int, itemsize: int = 2,
+                            segments: bool = False) -> int:
+        """The larger of the two kernels' shared memory (own tiles, ring, barriers; with segment
+        ids one more [rows] int32 vector on each side)."""
         def kernel(own_rows, streamed_rows, own_vectors, streamed_vectors, streamed_tiles=2):
-            own = CONSUMERS * own_rows * (2 * head_dim * itemsize + 4 * own_vectors)
+            own = CONSUMERS * own_rows * (2 * head_dim * itemsize + 4 * (own_vectors + segments))
             ring = self.stages * streamed_rows * (streamed_tiles * head_dim * itemsize
-                                                  + 4 * streamed_vectors)
+                                                  + 4 * (streamed_vectors + segments))
             return own + ring
         # dq's ring holds k and v, and with 32-key blocks a second copy of k (its contraction
         # operand, kernels_mosaic_backward.backward_dq)
         need = max(kernel(self.block_q, self.block_kv, 2, 0, 3 if self.block_kv < 64 else 2),
                    kernel(self.block_kv, self.block_q, 0, 2))
-        return need + 8 * (4 * CONSUMERS + 6 * self.stages) + BACKWARD_ALLOCATION_SLACK
+        barriers = 8 * (4 * CONSUMERS + 6 * self.stages + segments * (CONSUMERS + self.stages))
+        return need + barriers + BACKWARD_ALLOCATION_SLACK
 
 
-def check_tiles(tiles: ForwardTiles | BackwardTiles, head_dim: int) -> None:
-    """ValueError when the tiles do not fit in a Hopper block's shared memory at this head dim."""
+def check_tiles(tiles: ForwardTiles | BackwardTiles, head_dim: int,
+                segments: bool = False) -> None:
+    """ValueError when the tiles do not fit in a Hopper block's shared memory at this head dim
+    (with segment ids: their ids too)."""
     if isinstance(tiles, BackwardTiles):
         tiles.check_head_dim(head_dim)
-    need = tiles.shared_memory_bytes(head_dim)
+    need = tiles.shared_memory_bytes(head_dim, segments=segments)
     if need > SHARED_MEMORY_BYTES:
         field = "mosaic_forward" if isinstance(tiles, ForwardTiles) else "mosaic_backward"
         raise ValueError(
@@ -135,8 +144,6 @@ def mosaic_forward_unsupported_reason(head_dim: int, dtype, has_segments: bool) 
         return f"head dim {head_dim} (it takes {MOSAIC_FORWARD_HEAD_DIMS})"
     if jnp.dtype(dtype) not in MOSAIC_FORWARD_DTYPES:
         return f"dtype {jnp.dtype(dtype).name} (it takes bfloat16 and float16)"
-    if has_segments:
-        return "segment_ids"
     return None
 
 
@@ -144,6 +151,10 @@ def mosaic_backward_unsupported_reason(head_dim: int, dtype, has_segments: bool)
     """Why the Mosaic GPU backward cannot take a problem (None when it can)."""
     if head_dim not in MOSAIC_BACKWARD_HEAD_DIMS:
         return f"head dim {head_dim} (it takes {MOSAIC_BACKWARD_HEAD_DIMS})"
+    if has_segments and splits_dkv_roles(head_dim):
+        # the dq kernel's tiles and its two copies of k take 231,552 of the 232,448 bytes of
+        # shared memory; the ids and their barriers would take it to 233,632
+        return f"segment_ids at head dim {head_dim} (the dq kernel's shared memory is full)"
     return mosaic_forward_unsupported_reason(head_dim, dtype, has_segments)
 
 
@@ -174,11 +185,12 @@ class BlockSizes:
     """Tiles of the three kernels (performance only). Every block is a power of two >= 16.
 
     `forward_kernel` picks the forward: "auto" takes the Mosaic GPU kernel on Hopper where it
-    applies (head dim 64 / 128 / 256, bfloat16 / float16, no segment ids) and is the faster one
+    applies (head dim 64 / 128 / 256, bfloat16 / float16) and is the faster one
     (not at head dim 128 with T and S <= 1024), Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
     `mosaic_forward` holds its tiles. `backward_kernel` and `mosaic_backward` do the same for the
-    backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128 / 256).
+    backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128 / 256, with
+    segment ids at 64 / 128).
     """
 
     block_q: int = 128
@@ -279,7 +291,7 @@ def mosaic_forward_tiles(problem, sizes: BlockSizes, interpret: bool) -> Forward
                                                problem.has_segments)
     if not mosaic_gpu_selected(sizes.forward_kernel, reason, interpret):
         return None
-    check_tiles(sizes.mosaic_forward, problem.head_dim)
+    check_tiles(sizes.mosaic_forward, problem.head_dim, problem.has_segments)
     return sizes.mosaic_forward
 
 
@@ -292,7 +304,7 @@ def mosaic_backward_tiles(problem, sizes: BlockSizes, interpret: bool) -> Backwa
                                                 problem.has_segments)
     if not mosaic_gpu_selected(sizes.backward_kernel, reason, interpret, "backward_kernel"):
         return None
-    check_tiles(sizes.mosaic_backward, problem.head_dim)
+    check_tiles(sizes.mosaic_backward, problem.head_dim, problem.has_segments)
     return sizes.mosaic_backward
 
 

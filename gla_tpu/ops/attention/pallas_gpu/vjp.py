@@ -29,7 +29,8 @@ def forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
     """(o [B, Tp, H, D] in q's dtype, base-2 lse [B, H, Tp] float32); `tiles`: the Mosaic GPU
     forward's, or None for the Triton one."""
     if tiles is not None:
-        return kernels_mosaic_forward.forward(q, k, v, geo=geo, tiles=tiles, interpret=interpret)
+        return kernels_mosaic_forward.forward(q, k, v, q_seg, kv_seg, geo=geo, tiles=tiles,
+                                              interpret=interpret)
     return kernels.forward(q, k, v, q_seg, kv_seg, geo=geo, block_q=sizes.block_q,
                            block_kv=sizes.block_kv, num_warps=sizes.num_warps,
                            num_stages=sizes.num_stages, interpret=interpret)
@@ -46,10 +47,12 @@ def _attention_bwd(geo, sizes, tiles, interpret, residuals, do):
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     if tiles.backward is not None:
         common = dict(geo=geo, tiles=tiles.backward, interpret=interpret)
-        dq = kernels_mosaic_backward.backward_dq(q, k, v, do, lse, delta, **common)
+        dq = kernels_mosaic_backward.backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg,
+                                                 **common)
         if interpret:  # two GPU-interpreted kernels run side by side can deadlock: order them
             dq, q, k, v, do, lse, delta = lax.optimization_barrier((dq, q, k, v, do, lse, delta))
-        dk, dv = kernels_mosaic_backward.backward_dkv(q, k, v, do, lse, delta, **common)
+        dk, dv = kernels_mosaic_backward.backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg,
+                                                      **common)
         return dq, dk, dv, None, None
     dq, dk, dv = gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, sizes, interpret)
     return dq, dk, dv, None, None
