@@ -167,8 +167,11 @@ def _sharded_loss(params, tokens, cfg, sharding):
     return lm.cross_entropy(logits, tokens[:, 1:])
 
 
-@pytest.mark.parametrize("attention, collective", [("gla", "all-gather"),
-                                                   ("softmax", "collective-permute")])
+# softmax's ring (collective-permute) runs with --full only; tests/ops/test_sharding.py checks
+# ring attention itself in the default run
+@pytest.mark.parametrize("attention, collective", [
+    ("gla", "all-gather"),
+    pytest.param("softmax", "collective-permute", marks=pytest.mark.full)])
 def test_data_and_sequence_parallel_on_eight_cpu_devices(attention, collective):
     """lm.apply(..., sharding=P("data", "seq")) under jit on a (2, 4) mesh: GLA layers run context
     parallel over "seq" (T = 64, 16 tokens per device), softmax layers ring attention. Loss and

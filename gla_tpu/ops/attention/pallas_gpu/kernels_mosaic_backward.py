@@ -16,8 +16,10 @@ blocks into a ring of shared-memory slots with the TMA unit (common/mosaic_gpu.r
 Causal skipping as in the Triton kernels: blocks no row of a consumer can see are not visited,
 blocks every row sees take no mask. Rows that see no key (lse = 0 from the forward, every p
 masked) give zero gradients. Keys at or past the true S are masked in dq; their dk/dv rows are
-sliced away by the caller. Head dims 64, 128 and 256, bfloat16 / float16, no segment ids
-(plan.mosaic_backward_unsupported_reason); docs/gpu_backend.md has the measurements.
+sliced away by the caller. With segment ids each side keeps its rows' ids and streams the other
+side's beside its tiles, and every block is masked. Head dims 64, 128 and 256, bfloat16 / float16,
+segment ids at 64 / 128 (plan.mosaic_backward_unsupported_reason); docs/gpu_backend.md has the
+measurements.
 """
 
 from __future__ import annotations
