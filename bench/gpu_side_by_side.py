@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -192,31 +193,38 @@ def bench_attention(ctx, shapes, modes):
         arrs = [jnp.asarray(rng.standard_normal((b, t, h, d), np.float32), jnp.bfloat16)
                 for _ in range(3)]
         ct = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
-        impls = attention_impls(causal, d)
-        ours = None
-        for name, fn in impls.items():
-            try:
-                out = jax.block_until_ready(jax.jit(fn)(*arrs))
-                if ours is None:
-                    ours = out
-                err = rel_err(out, ours)
-                if err > MATCH_TOLERANCE:
-                    record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
-                           error=f"output differs from ours: rel err {err:.2e}")
-                    continue
-                for mode in modes:
-                    if (mode, name) in (("fwd+bwd", "ours_triton_forward"),
-                                        ("fwd", "ours_triton_backward")):
-                        continue
-                    f = fn if mode == "fwd" else fwd_bwd(fn, ct)
-                    flops = attention_flops(b, t, t, h, d, causal=causal,
-                                            backward=mode == "fwd+bwd")
-                    record(ctx, op="softmax", impl=name, shape=shape, mode=mode,
-                           timing=time_jax(f, *arrs), flops=flops,
-                           note=f"rel err vs ours {err:.1e}")
-            except Exception as e:  # a peer that cannot take a shape is reported, not fatal
+        _time_attention_impls(ctx, attention_impls(causal, d), arrs, ct, modes, shape,
+                              (b, t, h, d, causal),
+                              skip=(("fwd+bwd", "ours_triton_forward"),
+                                    ("fwd", "ours_triton_backward")))
+
+
+def _time_attention_impls(ctx, impls, arrs, ct, modes, shape, dims, skip=(), note=""):
+    """Times each of `impls` (name -> jax function of q, k, v) in each mode, after checking its
+    output against the first's; (mode, name) pairs in `skip` are left out. dims: (B, T, H, D,
+    causal) for the flop count."""
+    b, t, h, d, causal = dims
+    ours = None
+    for name, fn in impls.items():
+        try:
+            out = jax.block_until_ready(jax.jit(fn)(*arrs))
+            ours = out if ours is None else ours
+            err = rel_err(out, ours)
+            if err > MATCH_TOLERANCE:
                 record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
-                       error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                       error=f"output differs from ours: rel err {err:.2e}")
+                continue
+            for mode in modes:
+                if (mode, name) in skip:
+                    continue
+                f = fn if mode == "fwd" else fwd_bwd(fn, ct)
+                flops = attention_flops(b, t, t, h, d, causal=causal, backward=mode == "fwd+bwd")
+                record(ctx, op="softmax", impl=name, shape=shape, mode=mode,
+                       timing=time_jax(f, *arrs), flops=flops,
+                       note=f"{note}rel err vs ours {err:.1e}")
+        except Exception as e:  # a peer that cannot take a shape is reported, not fatal
+            record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 # Segment ids: documents packed in each row (a new id after each token with probability 1 / 1024,
@@ -240,34 +248,16 @@ def bench_attention_segments(ctx, shapes, modes):
         ct = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
         triton = dataclasses.replace(default_block_sizes(d, jnp.bfloat16),
                                      forward_kernel="triton", backward_kernel="triton")
-        impls = {
+        kinds = {
             "ours_pallas_gpu": dict(backend="pallas_gpu"),
             "ours_triton": dict(backend="pallas_gpu", block_sizes=triton),
             "ours_xla": dict(backend="xla"),
         }
-        ours = None
-        for name, kwargs in impls.items():
-            def fn(q, k, v, kwargs=kwargs):
-                return ops.flash_attention(q, k, v, causal=causal, segment_ids=ids, **kwargs)
-            try:
-                out = jax.block_until_ready(jax.jit(fn)(*arrs))
-                ours = out if ours is None else ours
-                err = rel_err(out, ours)
-                if err > MATCH_TOLERANCE:
-                    record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
-                           error=f"output differs from ours: rel err {err:.2e}")
-                    continue
-                for mode in modes:
-                    f = fn if mode == "fwd" else fwd_bwd(fn, ct)
-                    flops = attention_flops(b, t, t, h, d, causal=causal,
-                                            backward=mode == "fwd+bwd")
-                    record(ctx, op="softmax", impl=name, shape=shape, mode=mode,
-                           timing=time_jax(f, *arrs), flops=flops,
-                           note=f"segment ids: {int(ids[0, -1]) + 1} documents in row 0; "
-                                f"rel err vs ours {err:.1e}")
-            except Exception as e:
-                record(ctx, op="softmax", impl=name, shape=shape, mode="fwd",
-                       error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        impls = {name: functools.partial(ops.flash_attention, causal=causal, segment_ids=ids,
+                                         **kwargs)
+                 for name, kwargs in kinds.items()}
+        _time_attention_impls(ctx, impls, arrs, ct, modes, shape, (b, t, h, d, causal),
+                              note=f"segment ids: {int(ids[0, -1]) + 1} documents in row 0; ")
 
 
 # GLA.
