@@ -50,7 +50,8 @@ FULL = pytest.mark.full
     pytest.param(AttentionCase(2, 70, 150, 2, 1, 128, causal=False), ForwardTiles(64, 64, 2),
                  BF16, marks=FULL),
     # several tiles and a ring that wraps: consumer 0 releases the steps only consumer 1 needs
-    (AttentionCase(1, 300, 300, 2, 2, 64, causal=True), ForwardTiles(64, 64, 3), F16),
+    pytest.param(AttentionCase(1, 300, 300, 2, 2, 64, causal=True), ForwardTiles(64, 64, 3), F16,
+                 marks=FULL),
     pytest.param(AttentionCase(1, 260, 390, 2, 2, 64, causal=True), ForwardTiles(128, 128, 2),
                  BF16, marks=FULL),
     # head dim 256 with its default tiles, GQA, padded keys
@@ -74,7 +75,8 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     pytest.param(AttentionCase(1, 300, 40, 2, 1, 64, causal=True), BackwardTiles(64, 64, 2), BF16,
                  marks=FULL),
     # T < S with a group of 4: both rings wrap (4 key steps, 16 query steps), 128-key tiles
-    (AttentionCase(1, 130, 330, 4, 1, 64, causal=True), BackwardTiles(64, 128, 2), F16),
+    pytest.param(AttentionCase(1, 130, 330, 4, 1, 64, causal=True), BackwardTiles(64, 128, 2),
+                 F16, marks=FULL),
     # rows 0..69 see no key (T > S): zero gradients from them
     pytest.param(AttentionCase(1, 200, 130, 4, 2, 64, causal=True), BackwardTiles(64, 64, 3),
                  BF16, marks=FULL),
@@ -110,7 +112,7 @@ def _softmax_grads(q, k, v, do, geo):
     return (dq, dk, dv), lse2, delta
 
 
-@pytest.mark.parametrize("d,tiles", [(64, BackwardTiles(64, 64, 2)),
+@pytest.mark.parametrize("d,tiles", [pytest.param(64, BackwardTiles(64, 64, 2), marks=FULL),
                                      (256, BackwardTiles(64, 32, 2))])
 def test_mosaic_backward_kernels_interpret_not_causal(d, tiles):
     """Non-causal dq and dk/dv kernels, each called alone in GPU interpret mode: padded keys,
@@ -136,7 +138,8 @@ def test_mosaic_backward_kernels_interpret_not_causal(d, tiles):
         assert err < 1e-2  # bfloat16 outputs and operands: about 2e-3
 
 
-@pytest.mark.parametrize("kernel,d", [("dq", 64), ("dkv", 64), ("dkv", 256)])
+@pytest.mark.parametrize("kernel,d", [("dq", 64), pytest.param("dkv", 64, marks=FULL),
+                                      ("dkv", 256)])
 def test_mosaic_backward_has_no_races(kernel, d):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 

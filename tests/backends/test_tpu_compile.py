@@ -67,11 +67,11 @@ ATTENTION.update({
     for d in (64, 128, 256) for causal in (True, False)})
 
 
-# Default run: every (D, generation) pair of the sweep once, causal and full alternating (so each
-# (D, causal) meets two or three generations), and each long or ragged config on one or two.
+# Default run: each config of the sweep on one generation, the six (D, causal) pairs spread over
+# all five generations, and each long or ragged config on one.
 ATTENTION_DEFAULT = {
     "b1_t8192_h16_d128_causal": ("v5e",),
-    "b2_t1000_s1300_h8_hkv1_d64_causal_segments": ("v4", "7x"),
+    "b2_t1000_s1300_h8_hkv1_d64_causal_segments": ("v4",),
     "t32768_d128_causal_gqa8": ("v6e",),
 }
 
@@ -80,8 +80,7 @@ def _attention_default(name):
     if name in ATTENTION_DEFAULT:
         return ATTENTION_DEFAULT[name]
     *_, d, causal, _ = ATTENTION[name]
-    return tuple(gen for j, gen in enumerate(TPU_GENERATIONS)
-                 if causal == (((64, 128, 256).index(d) + j) % 2 == 0))
+    return (TPU_GENERATIONS[(2 * (64, 128, 256).index(d) + causal) % len(TPU_GENERATIONS)],)
 
 
 @pytest.mark.parametrize("name,generation", _sweep(ATTENTION, _attention_default))
@@ -144,17 +143,17 @@ GLA = {
 # on every generation.
 C64_TWINS = ("key-B2-T4096-H8-K128-V128-C64", "key-B4-T2048-H4-K256-V512-C64")
 C64_GENERATIONS = ("v4", "v6e")
-# Default run: each config on one or two generations, every generation in every mode.
+# Default run: each config on one generation, every generation in every mode.
 GLA_DEFAULT = {
     "fused_chunk": {
-        "key-B2-T4096-H8-K128-V128": ("v5e", "7x"),
+        "key-B2-T4096-H8-K128-V128": ("7x",),
         "key-B2-T4096-H8-K128-V128-C64": ("v4",),
         "head-B2-T4096-H16-K64-V64": ("v6e",),
-        "key-B1-T1024-H2-K512-V512": ("v4", "v5p"),
+        "key-B1-T1024-H2-K512-V512": ("v4",),
         "head-B2-T2048-H4-K256-V512": ("v5p",),
     },
     "chunk": {
-        "key-B4-T2048-H4-K256-V512": ("v4", "v5e"),
+        "key-B4-T2048-H4-K256-V512": ("v5e",),
         "key-B4-T2048-H4-K256-V512-C64": ("v6e",),
         "key-B1-T1024-H2-K192-V320": ("7x",),
         "head-B1-T2048-H4-K64-V64-C64": ("v5p",),
@@ -241,9 +240,10 @@ def _sharded_generations(default):
             for gen in SHARDED_GENERATIONS]
 
 
+# --full only: tests/ops/test_sharding.py checks the same property (no collective) on 8 CPU devices
 @pytest.mark.parametrize("op,generation", [
-    pytest.param(op, gen, id=f"{op}-{gen}", marks=() if gen == default else FULL)
-    for op, default in (("attention", "v6e"), ("gla", "v5e")) for gen in SHARDED_GENERATIONS])
+    pytest.param(op, gen, id=f"{op}-{gen}", marks=FULL)
+    for op in ("attention", "gla") for gen in SHARDED_GENERATIONS])
 def test_sharded_program_compiles_for_a_4_chip_slice_without_collectives(op, generation):
     """`jax.jit` of the op's forward+backward with q, k, v (and g) split over batch and heads:
     Mosaic compiles each chip's kernels, and the partitioned program moves nothing between chips

@@ -170,10 +170,15 @@ def test_special(backend, case, dtype, mode, chunk_size):
     _check(backend, case, dtype, mode, chunk_size)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode,gate,pattern", [("chunk", "key", "every_step"),
-                                               ("fused_chunk", "head", "every_other_step"),
-                                               ("fused_recurrent", "key", "every_step")])
+# pallas_gpu runs fused_recurrent as chunk's program above T = 16: that pair runs with --full only
+@pytest.mark.parametrize("backend,mode,gate,pattern", [
+    pytest.param(backend, mode, gate, pattern,
+                 marks=pytest.mark.full if (backend, mode) == ("pallas_gpu", "fused_recurrent")
+                 else ())
+    for mode, gate, pattern in (("chunk", "key", "every_step"),
+                                ("fused_chunk", "head", "every_other_step"),
+                                ("fused_recurrent", "key", "every_step"))
+    for backend in BACKENDS])
 def test_gate_minus_1000_per_step(backend, mode, gate, pattern):
     """g = -1e3: the state forgets all but the current token; nothing is inf or NaN.
 

@@ -119,14 +119,16 @@ def _check_gla(sharding, backend, gate="key", segments=False, mode="chunk", b=B,
 
 
 # The layouts share one code path (common/sharding.py), exercised on all six by the GLA test.
-@pytest.mark.parametrize("layout", ["8-heads", "2x4-batch-heads", "4x2-heads-over-both"])
+@pytest.mark.parametrize("layout", [pytest.param("8-heads", marks=pytest.mark.full),
+                                    "2x4-batch-heads",
+                                    pytest.param("4x2-heads-over-both", marks=pytest.mark.full)])
 def test_attention_sharded_matches_unsharded_xla(layout):
     _check_attention(_sharding(layout), "xla", segments=layout.startswith("2x4"))
 
 
-# Default run: three layouts (batch with heads, both orders, and heads over both axes); --full
-# runs all six.
-GLA_LAYOUTS_FULL_ONLY = ("8-batch", "8-heads", "2x4-batch-over-both")
+# Default run: two layouts (heads then batch with segments, heads over both axes); --full runs
+# all six.
+GLA_LAYOUTS_FULL_ONLY = ("8-batch", "8-heads", "2x4-batch-over-both", "2x4-batch-heads")
 
 
 @pytest.mark.parametrize("layout", [
@@ -275,7 +277,8 @@ def _boundary_segments(b=B):
 # gates on the layouts the other gates take.
 @pytest.mark.parametrize("layout, gate", [
     pytest.param(layout, "key",
-                 marks=pytest.mark.full if layout in ("2x4-batch-time", "4x2-time-heads") else ())
+                 marks=pytest.mark.full if layout in ("2x4-batch-time", "4x2-time-heads",
+                                                      "2x4-time-over-both") else ())
     for layout in CP_LAYOUTS] + [("2x4-batch-time", "head"), ("4x2-time-heads", "none")])
 def test_context_parallel_gla_matches_unsharded_xla(layout, gate):
     shape, names, spec = CP_LAYOUTS[layout]
@@ -323,10 +326,10 @@ RING_T = 48
 
 
 @pytest.mark.parametrize("layout, causal, hkv, segments", [
-    ("8-time", True, H, False),
+    pytest.param("8-time", True, H, False, marks=pytest.mark.full),
     ("2x4-batch-time", True, 2, True),
     ("4x2-time-heads", False, 4, True),
-    ("2x4-time-over-both", True, 1, False),
+    pytest.param("2x4-time-over-both", True, 1, False, marks=pytest.mark.full),
 ])
 def test_ring_attention_matches_unsharded_xla(layout, causal, hkv, segments):
     shape, names, spec = CP_LAYOUTS[layout]
