@@ -232,7 +232,8 @@ def _time_attention_impls(ctx, impls, arrs, ct, modes, shape, dims, skip=(), not
 # kernels, so the time does not depend on where the documents end. cuDNN through
 # jax.nn.dot_product_attention takes sequence lengths, not segment ids: the peers are our kernels
 # before they took segment ids on Mosaic GPU (Triton forced) and our XLA backend.
-SEGMENT_SHAPES = [(4, 16, 4096, 128, True), (4, 16, 4096, 128, False), (4, 16, 4096, 64, True)]
+SEGMENT_SHAPES = [(4, 16, 4096, 128, True), (4, 16, 4096, 128, False), (4, 16, 4096, 64, True),
+                  (2, 16, 4096, 256, True)]
 
 
 def bench_attention_segments(ctx, shapes, modes):

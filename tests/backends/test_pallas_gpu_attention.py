@@ -80,8 +80,10 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     # rows 0..69 see no key (T > S): zero gradients from them
     pytest.param(AttentionCase(1, 200, 130, 4, 2, 64, causal=True), BackwardTiles(64, 64, 3),
                  BF16, marks=FULL),
-    # head dim 256: dq streams 32-key blocks, dk/dv's consumers split dk and dv over 64 keys
-    (AttentionCase(1, 130, 200, 2, 1, 256, causal=True), BackwardTiles(64, 32, 2), BF16),
+    # head dim 256: dq streams 32-key blocks, dk/dv's consumers split dk and dv over 64 keys;
+    # segment ids (a pair: some queries see no key) in dq's packed shared buffers
+    (AttentionCase(1, 130, 200, 2, 1, 256, causal=True, segments="pair"),
+     BackwardTiles(64, 32, 2), BF16),
     # segment ids (a shared array) with causal masking, GQA: the ids streamed on both sides
     (AttentionCase(1, 200, 200, 4, 2, 64, causal=True, segments="shared"),
      BackwardTiles(64, 64, 2), F16),
@@ -138,24 +140,27 @@ def test_mosaic_backward_kernels_interpret_not_causal(d, tiles):
         assert err < 1e-2  # bfloat16 outputs and operands: about 2e-3
 
 
-@pytest.mark.parametrize("kernel,d", [("dq", 64), pytest.param("dkv", 64, marks=FULL),
-                                      ("dkv", 256)])
+@pytest.mark.parametrize("kernel,d", [pytest.param("dq", 64, marks=FULL), ("dq", 256),
+                                      pytest.param("dkv", 64, marks=FULL), ("dkv", 256)])
 def test_mosaic_backward_has_no_races(kernel, d):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_backward as mosaic_gpu_backward
 
-    t = s = 256  # causal, 4 blocks a side: the two-slot rings wrap (d = 256: the split roles)
+    # causal, 4 blocks a side: the two-slot rings wrap; d = 256: the split roles, dq's packed
+    # shared buffers and segment ids
+    t = s = 256
     tiles = BackwardTiles(64, 32 if d == 256 else 64, 2)
     geo = Geometry(q_len=t, kv_len=s, padded_q=t, padded_kv=s, group=1, causal=True, offset=0,
-                   sm_scale=d**-0.5, has_segments=False)
+                   sm_scale=d**-0.5, has_segments=d == 256)
     keys = jax.random.split(jax.random.key(10), 6)
     q, k, v, do = (jax.random.normal(key, (1, t, 1, d), jnp.bfloat16) for key in keys[:4])
     lse = jax.random.normal(keys[4], (1, 1, t)) + 4.0
     delta = jax.random.normal(keys[5], (1, 1, t))
+    ids = (jnp.arange(t, dtype=jnp.int32)[None] // 100,) * 2 if d == 256 else ()
     run = getattr(mosaic_gpu_backward, f"backward_{kernel}")
-    jax.block_until_ready(run(q, k, v, do, lse, delta, geo=geo, tiles=tiles,
+    jax.block_until_ready(run(q, k, v, do, lse, delta, *ids, geo=geo, tiles=tiles,
                               interpret=plgpu.InterpretGPUParams(detect_races=True)))
     assert not gpu_interpret.get_races().races_found
 
@@ -223,7 +228,7 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
 
 @pytest.mark.parametrize("head_dim,causal,tiles,segments", [
     (64, True, BackwardTiles(), False), (128, False, BackwardTiles(64, 128, 2), False),
-    (256, True, BackwardTiles(64, 32, 2), False), (64, False, BackwardTiles(), True)])
+    (256, True, BackwardTiles(64, 32, 2), True), (64, False, BackwardTiles(), True)])
 def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments):
     """Forward, dq and dk/dv through Mosaic GPU's lowering for CUDA (layout inference, wgmma
     shapes, shared-memory transforms, the shared-memory budget), GQA and padded lengths."""
@@ -249,7 +254,6 @@ def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments):
 @pytest.mark.parametrize("field,kwargs,match", [
     ("forward_kernel", dict(head_dim=32), "head dim 32"),
     ("backward_kernel", dict(head_dim=32), "head dim 32"),
-    ("backward_kernel", dict(head_dim=256, segments=True), "segment_ids at head dim 256"),
     *[(field, dict(dtype=jnp.float32), "float32")
       for field in ("forward_kernel", "backward_kernel")],
 ])
@@ -336,7 +340,7 @@ def test_auto_takes_mosaic_backward_on_hopper_only(monkeypatch):
     assert plan.mosaic_backward_tiles(_problem(256), wide, False) == BackwardTiles(64, 32, 2)
     assert plan.mosaic_backward_tiles(_problem(dtype=jnp.float32), sizes, False) is None
     assert plan.mosaic_backward_tiles(_problem(segments=True), sizes, False) is not None
-    assert plan.mosaic_backward_tiles(_problem(256, segments=True), wide, False) is None
+    assert plan.mosaic_backward_tiles(_problem(256, segments=True), wide, False) is not None
     triton = BlockSizes(backward_kernel="triton")
     assert plan.mosaic_backward_tiles(_problem(), triton, False) is None
     monkeypatch.setattr(backends, "is_hopper", lambda: False)
@@ -353,7 +357,7 @@ GPU_CASES = [
     AttentionCase(1, 2048, 2048, 4, 4, 256, causal=True),
     AttentionCase(2, 1000, 1500, 4, 2, 256, causal=True),
     AttentionCase(1, 1029, 777, 2, 2, 256, causal=False),
-    # segment ids on the Mosaic GPU kernels (at D = 256 the backward is Triton's)
+    # segment ids on the Mosaic GPU kernels
     AttentionCase(2, 1000, 1000, 4, 2, 128, causal=True, segments="shared"),
     AttentionCase(1, 777, 1029, 4, 4, 64, causal=False, segments="pair"),
     AttentionCase(1, 1000, 1200, 4, 2, 256, causal=True, segments="pair"),
@@ -364,8 +368,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_gpu_parity(case, dtype):
-    # the Mosaic GPU forward, and the Mosaic GPU backward where it applies (not to segment ids
-    # at D = 256)
+    # the Mosaic GPU forward and backward
     takes = plan.mosaic_backward_unsupported_reason(case.head_dim, dtype,
                                                     case.segments != "none") is None
     backward = "mosaic_gpu" if takes else "triton"

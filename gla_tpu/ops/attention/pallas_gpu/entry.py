@@ -31,7 +31,7 @@ CAPABILITIES = Capabilities(
     dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
     notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 / "
           "256 in bf16 / f16, Triton elsewhere; dq and dk/dv kernels: Mosaic GPU on Hopper under "
-          "the same conditions (with segment_ids at head_dim 64 / 128), Triton elsewhere",
+          "the same conditions, Triton elsewhere",
     block_sizes=BlockSizes,
 )
 

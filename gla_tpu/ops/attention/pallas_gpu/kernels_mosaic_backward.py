@@ -17,9 +17,8 @@ Causal skipping as in the Triton kernels: blocks no row of a consumer can see ar
 blocks every row sees take no mask. Rows that see no key (lse = 0 from the forward, every p
 masked) give zero gradients. Keys at or past the true S are masked in dq; their dk/dv rows are
 sliced away by the caller. With segment ids each side keeps its rows' ids and streams the other
-side's beside its tiles, and every block is masked. Head dims 64, 128 and 256, bfloat16 / float16,
-segment ids at 64 / 128 (plan.mosaic_backward_unsupported_reason); docs/gpu_backend.md has the
-measurements.
+side's beside its tiles, and every block is masked. Head dims 64, 128 and 256, bfloat16 / float16
+(plan.mosaic_backward_unsupported_reason); docs/gpu_backend.md has the measurements.
 """
 
 from __future__ import annotations
@@ -320,14 +319,63 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
     # swizzle).
     contraction_copy = bkv < 64
 
+    # Shared memory, by name in allocation order. Mosaic GPU aligns every buffer to 1 KiB, so with
+    # the second copy of k (head dim 256: 231,552 of the 232,448 bytes) the small vectors share
+    # buffers: lse and delta one [CONSUMERS, 2, block_q], the segment ids one [CONSUMERS +
+    # stages, max(block_q, block_kv)] (the consumers' rows, then the ring's key blocks).
+    pack = contraction_copy
+    vectors = ({"vec_smem2": plgpu.SMEM((CONSUMERS, 2, bq), jnp.float32)} if pack else
+               {"lse_smem2": plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+                "delta_smem2": plgpu.SMEM((CONSUMERS, bq), jnp.float32)})
+    buffers = {
+        "q_smem2": plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=SWIZZLED),
+        "do_smem2": plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=SWIZZLED),
+        **vectors,
+        **{name: plgpu.Barrier(num_barriers=CONSUMERS)
+           for name in ("q_ready", "do_ready", "lse_ready", "delta_ready")},
+        "k_smem": plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED),
+        "v_smem": plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED),
+        "k_ready": plgpu.Barrier(num_barriers=stages),
+        "v_ready": plgpu.Barrier(num_barriers=stages),
+        "kv_free": plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+    }
+    if contraction_copy:
+        buffers.update(kc_smem=plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED_64),
+                       kc_ready=plgpu.Barrier(num_barriers=stages))
+    if segments and pack:
+        buffers.update(ids_smem=plgpu.SMEM((CONSUMERS + stages, max(bq, bkv)), jnp.int32),
+                       q_seg_ready=plgpu.Barrier(num_barriers=CONSUMERS),
+                       k_seg_ready=plgpu.Barrier(num_barriers=stages))
+    elif segments:  # the rows' own ids; the key blocks' ids beside k and v
+        buffers.update(q_seg_smem2=plgpu.SMEM((CONSUMERS, bq), jnp.int32),
+                       q_seg_ready=plgpu.Barrier(num_barriers=CONSUMERS),
+                       k_seg_smem=plgpu.SMEM((stages, bkv), jnp.int32),
+                       k_seg_ready=plgpu.Barrier(num_barriers=stages))
+    names = list(buffers)
+
     def body(*flat):
         refs = list(flat)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = _take(refs, 6)
         q_seg_ref, k_seg_ref = _take(refs, 2 if segments else -2)
-        (dq_ref, q_smem2, do_smem2, lse_smem2, delta_smem2, q_ready, do_ready, lse_ready,
-         delta_ready, k_smem, v_smem, k_ready, v_ready, kv_free) = _take(refs, 14)
-        kc_smem, kc_ready = _take(refs, 2 if contraction_copy else -2)
-        q_seg_smem2, q_seg_ready, k_seg_smem, k_seg_ready = _take(refs, 4 if segments else -4)
+        (dq_ref,) = _take(refs, 1)
+        r = dict.fromkeys(("kc_smem", "kc_ready", "q_seg_smem2", "q_seg_ready", "k_seg_smem",
+                           "k_seg_ready"))
+        r.update(zip(names, refs))
+        if pack:  # views of the shared vector buffers, as the unpacked ones
+            r["lse_smem2"], r["delta_smem2"] = r["vec_smem2"].at[:, 0], r["vec_smem2"].at[:, 1]
+            if segments:
+                ids = r["ids_smem"]
+                r["q_seg_smem2"] = ids.at[pl.ds(0, CONSUMERS), pl.ds(0, bq)]
+                r["k_seg_smem"] = ids.at[pl.ds(CONSUMERS, stages), pl.ds(0, bkv)]
+        q_smem2, do_smem2, lse_smem2, delta_smem2 = (r[n] for n in ("q_smem2", "do_smem2",
+                                                                    "lse_smem2", "delta_smem2"))
+        q_ready, do_ready, lse_ready, delta_ready = (r[n] for n in ("q_ready", "do_ready",
+                                                                    "lse_ready", "delta_ready"))
+        k_smem, v_smem, k_ready, v_ready, kv_free = (r[n] for n in ("k_smem", "v_smem", "k_ready",
+                                                                    "v_ready", "kv_free"))
+        kc_smem, kc_ready = r["kc_smem"], r["kc_ready"]
+        q_seg_smem2, q_seg_ready, k_seg_smem, k_seg_ready = (
+            r[n] for n in ("q_seg_smem2", "q_seg_ready", "k_seg_smem", "k_seg_ready"))
         tile = lax.axis_index("tile")
         if geo.causal:  # the tiles with the most keys first
             tile = n_tiles - 1 - tile
@@ -364,16 +412,7 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
 
             ring_producer(load, steps=tile_steps, stages=stages, free=(kv_free,))
 
-    scratch = _own_scratch(bq, d, q.dtype, n_vectors=2) + [
-        *[plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED) for _ in range(2)],
-        *[plgpu.Barrier(num_barriers=stages) for _ in range(2)],
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)]
-    if contraction_copy:
-        scratch += [plgpu.SMEM((stages, bkv, d), k.dtype, transforms=SWIZZLED_64),
-                    plgpu.Barrier(num_barriers=stages)]
-    if segments:  # the rows' own ids; the key blocks' ids beside k and v
-        scratch += [plgpu.SMEM((CONSUMERS, bq), jnp.int32), plgpu.Barrier(num_barriers=CONSUMERS),
-                    plgpu.SMEM((stages, bkv), jnp.int32), plgpu.Barrier(num_barriers=stages)]
+    scratch = [buffers[name] for name in names]
     kernel = _kernel(body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=scratch,
                      grid=(n_tiles, h, b), interpret=interpret)
     with jax.named_scope(f"flash_dq_mosaic_block_q={bq}_block_kv={bkv}"):

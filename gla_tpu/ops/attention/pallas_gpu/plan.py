@@ -18,9 +18,10 @@ SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
 # alignment padding Mosaic GPU adds to the buffers below: it reported 232568 bytes for tiles
 # (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
 ALLOCATION_SLACK = 2560
-# the same for the backward's buffers: Mosaic GPU reported 231552 bytes for the dq kernel at head
-# dim 256 with tiles (64, 32, 2) and 133232 at head dim 128 with (64, 64, 2), 1008 and 976 over
-# the sum of the buffers and barriers below
+# the same for the backward's buffers (each of which Mosaic GPU aligns to 1 KiB): it reported
+# 133232 bytes for the dq kernel at head dim 128 with tiles (64, 64, 2), 976 over the sum of the
+# buffers and barriers below, and 230528 (231584 with segment ids) at head dim 256 with
+# (64, 32, 2), where the kernel packs its small vectors into shared buffers
 BACKWARD_ALLOCATION_SLACK = 1024
 # what the Mosaic GPU forward takes (other problems take the Triton forward)
 MOSAIC_FORWARD_HEAD_DIMS = (64, 128, 256)
@@ -151,10 +152,6 @@ def mosaic_backward_unsupported_reason(head_dim: int, dtype, has_segments: bool)
     """Why the Mosaic GPU backward cannot take a problem (None when it can)."""
     if head_dim not in MOSAIC_BACKWARD_HEAD_DIMS:
         return f"head dim {head_dim} (it takes {MOSAIC_BACKWARD_HEAD_DIMS})"
-    if has_segments and splits_dkv_roles(head_dim):
-        # the dq kernel's tiles and its two copies of k take 231,552 of the 232,448 bytes of
-        # shared memory; the ids and their barriers would take it to 233,632
-        return f"segment_ids at head dim {head_dim} (the dq kernel's shared memory is full)"
     return mosaic_forward_unsupported_reason(head_dim, dtype, has_segments)
 
 
@@ -189,8 +186,7 @@ class BlockSizes:
     (not at head dim 128 with T and S <= 1024), Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
     `mosaic_forward` holds its tiles. `backward_kernel` and `mosaic_backward` do the same for the
-    backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128 / 256, with
-    segment ids at 64 / 128).
+    backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128 / 256).
     """
 
     block_q: int = 128
