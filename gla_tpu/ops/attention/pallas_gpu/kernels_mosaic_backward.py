@@ -23,6 +23,7 @@ side's beside its tiles, and every block is masked. Head dims 64, 128 and 256, b
 
 from __future__ import annotations
 
+import types
 
 import jax
 import jax.numpy as jnp
@@ -320,8 +321,8 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
     contraction_copy = bkv < 64
 
     # Shared memory, by name in allocation order. Mosaic GPU aligns every buffer to 1 KiB, so with
-    # the second copy of k (head dim 256: 231,552 of the 232,448 bytes) the small vectors share
-    # buffers: lse and delta one [CONSUMERS, 2, block_q], the segment ids one [CONSUMERS +
+    # the second copy of k (head dim 256, where the unpacked vectors took 231,552 of the 232,448
+    # bytes and 233,632 with segment ids) the small vectors share buffers: lse and delta one [CONSUMERS, 2, block_q], the segment ids one [CONSUMERS +
     # stages, max(block_q, block_kv)] (the consumers' rows, then the ring's key blocks).
     pack = contraction_copy
     vectors = ({"vec_smem2": plgpu.SMEM((CONSUMERS, 2, bq), jnp.float32)} if pack else
@@ -367,15 +368,7 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
                 ids = r["ids_smem"]
                 r["q_seg_smem2"] = ids.at[pl.ds(0, CONSUMERS), pl.ds(0, bq)]
                 r["k_seg_smem"] = ids.at[pl.ds(CONSUMERS, stages), pl.ds(0, bkv)]
-        q_smem2, do_smem2, lse_smem2, delta_smem2 = (r[n] for n in ("q_smem2", "do_smem2",
-                                                                    "lse_smem2", "delta_smem2"))
-        q_ready, do_ready, lse_ready, delta_ready = (r[n] for n in ("q_ready", "do_ready",
-                                                                    "lse_ready", "delta_ready"))
-        k_smem, v_smem, k_ready, v_ready, kv_free = (r[n] for n in ("k_smem", "v_smem", "k_ready",
-                                                                    "v_ready", "kv_free"))
-        kc_smem, kc_ready = r["kc_smem"], r["kc_ready"]
-        q_seg_smem2, q_seg_ready, k_seg_smem, k_seg_ready = (
-            r[n] for n in ("q_seg_smem2", "q_seg_ready", "k_seg_smem", "k_seg_ready"))
+        sm = types.SimpleNamespace(**r)
         tile = lax.axis_index("tile")
         if geo.causal:  # the tiles with the most keys first
             tile = n_tiles - 1 - tile
@@ -386,12 +379,14 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
         @pl.when(wg < CONSUMERS)
         def _():
             plgpu.set_max_registers(232, action="increase")
-            own_ready = tuple(x.at[wg] for x in (q_ready, do_ready, lse_ready, delta_ready))
-            refs = (q_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem2.at[wg], do_smem2.at[wg],
-                    lse_smem2.at[wg], delta_smem2.at[wg], own_ready, k_smem, v_smem, k_ready,
-                    v_ready, kv_free, batch, head, tile_base, wg, kc_smem, kc_ready)
-            seg_refs = ((q_seg_ref, q_seg_smem2.at[wg], q_seg_ready.at[wg], k_seg_smem,
-                         k_seg_ready) if segments else None)
+            own_ready = tuple(x.at[wg] for x in (sm.q_ready, sm.do_ready, sm.lse_ready,
+                                                 sm.delta_ready))
+            refs = (q_ref, do_ref, lse_ref, delta_ref, dq_ref, sm.q_smem2.at[wg],
+                    sm.do_smem2.at[wg], sm.lse_smem2.at[wg], sm.delta_smem2.at[wg], own_ready,
+                    sm.k_smem, sm.v_smem, sm.k_ready, sm.v_ready, sm.kv_free, batch, head,
+                    tile_base, wg, sm.kc_smem, sm.kc_ready)
+            seg_refs = ((q_seg_ref, sm.q_seg_smem2.at[wg], sm.q_seg_ready.at[wg], sm.k_seg_smem,
+                         sm.k_seg_ready) if segments else None)
             _dq_consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_steps=tile_steps,
                          in_place=not interpret)
 
@@ -402,15 +397,16 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
 
             def load(step, slot):
                 keys = (batch, pl.ds(step * bkv, bkv), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], sm.k_smem.at[slot], sm.k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], sm.v_smem.at[slot], sm.v_ready.at[slot])
                 if contraction_copy:
-                    plgpu.copy_gmem_to_smem(k_ref.at[keys], kc_smem.at[slot], kc_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[keys], sm.kc_smem.at[slot],
+                                            sm.kc_ready.at[slot])
                 if segments:
                     plgpu.copy_gmem_to_smem(k_seg_ref.at[batch, pl.ds(step * bkv, bkv)],
-                                            k_seg_smem.at[slot], k_seg_ready.at[slot])
+                                            sm.k_seg_smem.at[slot], sm.k_seg_ready.at[slot])
 
-            ring_producer(load, steps=tile_steps, stages=stages, free=(kv_free,))
+            ring_producer(load, steps=tile_steps, stages=stages, free=(sm.kv_free,))
 
     scratch = [buffers[name] for name in names]
     kernel = _kernel(body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=scratch,

@@ -18,11 +18,6 @@ SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
 # alignment padding Mosaic GPU adds to the buffers below: it reported 232568 bytes for tiles
 # (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
 ALLOCATION_SLACK = 2560
-# the same for the backward's buffers (each of which Mosaic GPU aligns to 1 KiB): it reported
-# 133232 bytes for the dq kernel at head dim 128 with tiles (64, 64, 2), 976 over the sum of the
-# buffers and barriers below, and 230528 (231584 with segment ids) at head dim 256 with
-# (64, 32, 2), where the kernel packs its small vectors into shared buffers
-BACKWARD_ALLOCATION_SLACK = 1024
 # what the Mosaic GPU forward takes (other problems take the Triton forward)
 MOSAIC_FORWARD_HEAD_DIMS = (64, 128, 256)
 MOSAIC_FORWARD_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -68,7 +63,7 @@ class ForwardTiles:
         lse = CONSUMERS * self.block_q * 4
         kv_ring = 2 * self.stages * self.block_kv * head_dim * itemsize
         barriers = 8 * (CONSUMERS + 4 * self.stages + 1)
-        ids = segments * (4 * (CONSUMERS * self.block_q + self.stages * self.block_kv)
+        ids = segments * (_kib(4 * CONSUMERS * self.block_q) + _kib(4 * self.stages * self.block_kv)
                           + 8 * (CONSUMERS + self.stages))
         return q_o + lse + kv_ring + barriers + ids + ALLOCATION_SLACK
 
@@ -109,19 +104,36 @@ class BackwardTiles:
 
     def shared_memory_bytes(self, head_dim: int, itemsize: int = 2,
                             segments: bool = False) -> int:
-        """The larger of the two kernels' shared memory (own tiles, ring, barriers; with segment
-        ids one more [rows] int32 vector on each side)."""
-        def kernel(own_rows, streamed_rows, own_vectors, streamed_vectors, streamed_tiles=2):
-            own = CONSUMERS * own_rows * (2 * head_dim * itemsize + 4 * (own_vectors + segments))
-            ring = self.stages * streamed_rows * (streamed_tiles * head_dim * itemsize
-                                                  + 4 * (streamed_vectors + segments))
-            return own + ring
-        # dq's ring holds k and v, and with 32-key blocks a second copy of k (its contraction
-        # operand, kernels_mosaic_backward.backward_dq)
-        need = max(kernel(self.block_q, self.block_kv, 2, 0, 3 if self.block_kv < 64 else 2),
-                   kernel(self.block_kv, self.block_q, 0, 2))
-        barriers = 8 * (4 * CONSUMERS + 6 * self.stages + segments * (CONSUMERS + self.stages))
-        return need + barriers + BACKWARD_ALLOCATION_SLACK
+        """The larger of the two kernels' shared memory, buffer by buffer as
+        kernels_mosaic_backward allocates it (small vectors take 1 KiB each, as Mosaic GPU aligns
+        them; 8 bytes a barrier). Matches Mosaic GPU's count at head dims 64 / 128 / 256, with and
+        without segment ids."""
+        bq, bkv, stages = self.block_q, self.block_kv, self.stages
+        tile = head_dim * itemsize  # bytes of one [D] row
+        # dq: own q, do; the ring's k, v (and with 32-key blocks a second copy of k, with its
+        # small vectors packed: lse and delta in one buffer, the ids in another)
+        copy = bkv < 64
+        dq = 2 * CONSUMERS * bq * tile + (2 + copy) * stages * bkv * tile
+        if copy:
+            dq += _kib(2 * CONSUMERS * bq * 4)
+            dq += segments * _kib((CONSUMERS + stages) * max(bq, bkv) * 4)
+        else:
+            dq += 2 * _kib(CONSUMERS * bq * 4)
+            dq += segments * (_kib(CONSUMERS * bq * 4) + _kib(stages * bkv * 4))
+        dq += 8 * (4 * CONSUMERS + (3 + copy) * stages + segments * (CONSUMERS + stages))
+        # dk/dv: own k, v (2 x block_kv keys, one owner, under the role split); the ring's q, do,
+        # lse, delta (and ids)
+        split = splits_dkv_roles(head_dim)
+        owners = 1 if split else CONSUMERS
+        dkv = 2 * CONSUMERS * bkv * tile + 2 * stages * bq * tile + 2 * _kib(stages * bq * 4)
+        dkv += segments * (_kib(CONSUMERS * bkv * 4) + _kib(stages * bq * 4))
+        dkv += 8 * (2 * owners + 5 * stages + split + segments * (owners + stages))
+        return max(dq, dkv)
+
+
+def _kib(nbytes: int) -> int:
+    """A small shared-memory buffer's size as Mosaic GPU allocates it (aligned to 1 KiB)."""
+    return -(-nbytes // 1024) * 1024
 
 
 def check_tiles(tiles: ForwardTiles | BackwardTiles, head_dim: int,
