@@ -183,8 +183,9 @@ def _our_attention_blocks(opts: dict, spec: Spec):
 
 
 def _attention_backward_program(spec: Spec):
-    """Our attention's backward alone, from abstract residuals: di, do into the kernels'
-    head-major layout, the dq and dk/dv kernels (and at D = 64 their outputs' transposes).
+    """Our attention's backward alone, from abstract residuals: di, do (and q, k, v where the
+    forward read the API's layout) into the kernels' head-major layout, the dq and dk/dv kernels
+    (and at D = 64 their outputs' transposes).
     libtpu's profiler aborts on our kernels where XLA places their outputs in VMEM, as it does
     inside a whole forward+backward program; here the kernels' outputs are the program's
     (docs/benchmarks.md)."""
@@ -205,12 +206,13 @@ def _attention_backward_program(spec: Spec):
     api_layout = jax.ShapeDtypeStruct((b, tp, h, d), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)
 
-    # The residuals as the custom_vjp saves them: q, k, v head-major, as the forward read them;
-    # o in the API's layout.
+    # The residuals as the custom_vjp saves them: q, k, v as the forward read them (the API's
+    # layout where it read rows of every head, else head-major copies); o in the API's layout.
     def backward(q, k, v, o, lse, do):
         return vjp._attention_bwd(cfg, (q, k, v, None, None, o, lse), do)[:3]
 
-    return backward, (head_major,) * 3 + (api_layout, rows, api_layout)
+    qkv = api_layout if cfg.forward_reads_rows else head_major
+    return backward, (qkv,) * 3 + (api_layout, rows, api_layout)
 
 
 def _gla_program(spec: Spec):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_tpu import ops
 from gla_tpu.ops.attention.mosaic_tpu import BlockSizes
 from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config, vmem_estimate_bytes
 from gla_tpu.ops.attention.validation import AttentionProblem
@@ -77,3 +78,102 @@ def test_default_blocks_fit_the_smallest_default_vmem_limit(d):
         est = vmem_estimate_bytes(kind, bq, bkv, d, 4, block_kv_compute=bs.block_kv_compute,
                                   segments=True)
         assert est <= 12 * 2**20, (kind, est)
+
+
+# The forward on the API's layout (plan.forward_reads_rows, kernels.flash_forward_rows).
+
+
+def _problem(h, hkv, d, dtype, **kw):
+    return AttentionProblem(batch=1, q_len=300, kv_len=300, num_heads=h, num_kv_heads=hkv,
+                            head_dim=d, causal=True, sm_scale=1.0, has_segments=False,
+                            dtype=jnp.dtype(dtype), **kw)
+
+
+@pytest.mark.parametrize("h,hkv,d,dtype,expected", [
+    (4, 2, 128, jnp.bfloat16, True),
+    (8, 1, 128, jnp.bfloat16, True),  # one kv head: plain rows
+    (3, 1, 128, jnp.bfloat16, False),  # an odd head count: bfloat16 rows come in word pairs
+    (6, 3, 128, jnp.bfloat16, False),
+    (3, 3, 128, jnp.float32, True),  # 32-bit rows read strided at any head count
+    (4, 2, 64, jnp.bfloat16, False),  # rows of 128 lanes only
+    (4, 2, 256, jnp.float32, False),
+])
+def test_forward_reads_rows_where_it_applies(h, hkv, d, dtype, expected):
+    problem = _problem(h, hkv, d, dtype)
+    assert kernel_config(problem, None, True).forward_reads_rows is expected
+    assert kernel_config(problem, BlockSizes(forward_reads_rows=True), True).forward_reads_rows \
+        is expected
+    assert not kernel_config(problem, BlockSizes(forward_reads_rows=False), True) \
+        .forward_reads_rows
+    assert not kernel_config(problem, None, True, rows_forward=False).forward_reads_rows
+
+
+def test_bad_forward_reads_rows_raises_value_error():
+    with pytest.raises(ValueError, match="BlockSizes.forward_reads_rows must be None, True or "
+                                         "False; got 'yes'"):
+        BlockSizes(forward_reads_rows="yes")
+
+
+def test_rows_forward_blocks_shrink_to_half_the_vmem():
+    """On a chip, the rows forward halves its blocks until every head's fit half the VMEM, and
+    falls back to head-major copies below 512."""
+    from gla_tpu.ops.attention.mosaic_tpu import plan
+
+    problem = _problem(16, 16, 128, jnp.bfloat16)
+    need = lambda bq, bkv: plan.rows_forward_vmem_bytes(  # noqa: E731
+        bq, bkv, bkv, 16, 16, 128, 2, True)
+    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(1024, 1024)) == (
+        1024, 1024, 1024)
+    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(512, 1024)) == (
+        512, 1024, 1024)
+    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(512, 512)) == (
+        512, 512, 512)
+    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(512, 512) - 1) is None
+
+
+def test_halves_to_rows_reads_the_word_halves_as_tpu_packs_them():
+    """bfloat16 rows 2r and 2r + 1 share a 32-bit word, 2r in the low half (the packing that
+    JAX's ragged paged attention also reads): each half comes back exactly."""
+    import numpy as np
+
+    from gla_tpu.ops.attention.mosaic_tpu.kernels import halves_to_rows
+
+    rows = np.asarray(jnp.asarray(np.random.default_rng(0).normal(size=(16, 128)),
+                                  jnp.bfloat16).view(jnp.uint16)).astype(np.uint32)
+    words = jnp.asarray(rows[0::2] | (rows[1::2] << 16), jnp.uint32)  # [8, 128]
+    expected = np.asarray(jnp.asarray(rows.astype(np.uint16)).view(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(halves_to_rows(words, 0, jnp.bfloat16)),
+                                  expected[0::2])
+    np.testing.assert_array_equal(np.asarray(halves_to_rows(words, 1, jnp.bfloat16)),
+                                  expected[1::2])
+
+
+@pytest.mark.parametrize("case,dtype", [
+    (C(2, 300, 300, 4, 2, 128, causal=True), jnp.bfloat16),
+    (C(1, 200, 330, 3, 1, 128, causal=True, segments="pair"), jnp.float32),
+])
+def test_rows_forward_equals_the_head_major_forward(case, dtype):
+    """Same blocks, same arithmetic: the rows forward's outputs and gradients equal the head-major
+    forward's bit for bit (the pass rule checks both against float64 in tests/ops)."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from gla_tpu.testing.problems import make_attention_inputs
+
+    inputs = make_attention_inputs(case, jax.random.key(7), dtype)
+    q, k, v, segment_ids = (inputs[n] for n in ("q", "k", "v", "segment_ids"))
+
+    def run(reads_rows):
+        sizes = dataclasses.replace(SMALL, forward_reads_rows=reads_rows)
+
+        def loss(q, k, v):
+            o = ops.flash_attention(q, k, v, causal=case.causal, segment_ids=segment_ids,
+                                    backend="mosaic_tpu", interpret=True, block_sizes=sizes)
+            return jnp.sum(o.astype(jnp.float32) ** 2), o
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    for a, b in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

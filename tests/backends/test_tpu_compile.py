@@ -56,6 +56,8 @@ ATTENTION = {
     "b2_t1000_s1300_h8_hkv1_d64_causal_segments": (2, 1000, 1300, 8, 1, 64, True, True),
     # the longest grid: T = S = 32768
     "t32768_d128_causal_gqa8": (1, 32768, 32768, 8, 1, 128, True, False),
+    # the forward on the API's layout (every head per block) with padding, segments, GQA 4:1
+    "b2_t1000_s1300_h8_hkv2_d128_causal_segments": (2, 1000, 1300, 8, 2, 128, True, True),
 }
 # The sweep: D x causal at T = S = 2048, H=8, Hkv=1 (GQA 8:1), B=2. Every T from 1024 up takes the
 # same tiles (blocks are capped at 1024, docs/attention_mosaic_tpu.md), so T only lengthens the
@@ -73,6 +75,7 @@ ATTENTION_DEFAULT = {
     "b1_t8192_h16_d128_causal": ("v5e",),
     "b2_t1000_s1300_h8_hkv1_d64_causal_segments": ("v4",),
     "t32768_d128_causal_gqa8": ("v6e",),
+    "b2_t1000_s1300_h8_hkv2_d128_causal_segments": ("v5p",),
 }
 
 

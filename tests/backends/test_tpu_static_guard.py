@@ -54,3 +54,9 @@ def test_bench_programs_trace(op, shape):
     with targeting("v6e"):
         for fn, args in programs:
             jax.jit(fn).trace(*args)
+        if op == "attention":
+            # the backward's gradients come back in the API's layout [B, T, H, D]
+            b, h, t, d, _ = shape
+            backward, args = programs[1]
+            grads = jax.eval_shape(backward, *args)
+            assert [g.shape for g in grads] == [(b, t, h, d)] * 3

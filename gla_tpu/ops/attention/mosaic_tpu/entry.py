@@ -1,9 +1,11 @@
 """Entry of the "mosaic_tpu" attention backend: what it takes, and the call.
 
-The layout: [B, T, H, D] inputs are padded to the block grid here and copied head-major
-[B, H, Tp, D] inside the custom_vjp (vjp.py), so that every block's last two dims are (block, D)
-with D the full dim (D = 64 included); the kernels write o, dq, dk, dv back in [B, Tp, H, D] where
-D is a multiple of 128 (vjp.token_major_output). Ring attention's blocks (below) stay head-major.
+The layout: [B, T, H, D] inputs are padded to the block grid here. At D = 128 the forward reads
+them as they are, every head of a q block in one block (plan's forward_reads_rows); otherwise,
+and for the backward, the custom_vjp (vjp.py) copies them head-major [B, H, Tp, D], so that every
+block's last two dims are (block, D) with D the full dim (D = 64 included). The kernels write o,
+dq, dk, dv back in [B, Tp, H, D] where D is a multiple of 128 (vjp.token_major_output). Ring
+attention's blocks (below) stay head-major.
 Kernels: kernels.py; custom_vjp: vjp.py; tiles and VMEM: plan.py.
 Design, VMEM footprints and roofline: docs/attention_mosaic_tpu.md.
 """
@@ -75,7 +77,7 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
 def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
     """o [B, T, H, D] float32 over this block's keys and lse [B, H, T] float32 (-inf for a row
     that sees no key of the block); as `xla.attention_block`."""
-    cfg = kernel_config(problem, block_sizes, interpret)
+    cfg = kernel_config(problem, block_sizes, interpret, rows_forward=False)
     q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
     o, lse = kernels.flash_forward(cfg, _head_major(q, cfg.q_len_padded),
                                    _head_major(k, cfg.kv_len_padded),

@@ -1,7 +1,8 @@
 """Pallas TPU (Mosaic) kernels of softmax flash attention: forward, dq and dk/dv.
 
 The kernels know nothing of autodiff; `vjp.py` wires them with `jax.custom_vjp`.
-Every array here is head-major and padded (docs/attention_mosaic_tpu.md says why):
+Every array here is padded and, but for the rows forward (`flash_forward_rows`: [B, Tp, H, 128]
+in, every head per block), head-major (docs/attention_mosaic_tpu.md says why):
 q, o, do [B, H, Tp, D]; k, v [B, Hkv, Sp, D]; lse, di [B, H, 1, Tp] float32 rows;
 segment ids [B, 1, Tp] and [B, 1, Sp] int32 rows. Tp and Sp are multiples of every block size
 used along them. Padded keys are masked by position; padded query rows are sliced off by the caller
@@ -116,10 +117,9 @@ def _column(row_ref):
     return row_ref[0][:, None]
 
 
-def _compiler_params(cfg: KernelConfig, semantics):
-    return pltpu.CompilerParams(
-        dimension_semantics=semantics, vmem_limit_bytes=cfg.vmem_limit_bytes
-    )
+def _compiler_params(cfg: KernelConfig, semantics, vmem_limit_bytes=None):
+    return pltpu.CompilerParams(dimension_semantics=semantics,
+                                vmem_limit_bytes=vmem_limit_bytes or cfg.vmem_limit_bytes)
 
 
 def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
@@ -130,16 +130,19 @@ def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
 # Forward.
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
-    refs = list(refs)
-    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
-    o_ref, lse_ref, m_sc, acc_sc = refs[:4]
-    # Row sums on the VPU: l in its own scratch. On the MXU: l is the first 128 columns of acc
-    # ([bq, 128 + D]), the product of p with the ones of vx = [ones | v] ([bkc, 128 + D]); the
-    # ones go first so that every slice starts on a lane tile.
-    l_sc, vx_sc = (None, refs[4]) if cfg.row_sum_on_mxu else (refs[4], None)
+def _forward_head(cfg: KernelConfig, i, j, read_q, read_kv, write_o, lse_ref, m_sc, acc_sc,
+                  sums_sc, q_seg_ref, kv_seg_ref):
+    """One head's online softmax at grid step (q block i, kv block j): the state starts at the
+    first kv block, takes this kv block where the q block sees it, and o and lse are written after
+    the last one.
+
+    read_q() -> q [bq, D]; read_kv(cols) -> (k, v) [bkc, D] for a slice of the kv block's rows;
+    write_o(o) stores o [bq, D] float32; lse_ref a [1, bq] row. m_sc [bq, 128]; with row sums on
+    the VPU acc_sc [bq, D] and sums_sc = l [bq, 128]; on the MXU acc_sc = [l | acc]
+    [bq, 128 + D] and sums_sc = vx = [ones | v] [bkc, 128 + D] (the ones go first so that every
+    slice starts on a lane tile)."""
+    l_sc, vx_sc = (None, sums_sc) if cfg.row_sum_on_mxu else (sums_sc, None)
     bq, bkv, bkc, d = cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.head_dim
-    i, j = pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
@@ -151,12 +154,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
             l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
 
     def compute(masked: bool):
-        q = q_ref[...]  # [bq, D]
+        q = read_q()  # [bq, D]
         q_seg = _column(q_seg_ref) if cfg.has_segments else None  # [bq, 1]
         for c in range(bkv // bkc):
             cols = slice(c * bkc, (c + 1) * bkc)
-            k = k_ref[cols, :]  # [bkc, D]
-            v = v_ref[cols, :]  # [bkc, D]
+            k, v = read_kv(cols)  # [bkc, D] each
             s = product(q, k, "nt")
             s = s * (cfg.sm_scale * LOG2_E)  # [bq, bkc], base-2 units
             if masked:
@@ -186,18 +188,101 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
-    @pl.when(j == pl.num_programs(3) - 1)
+    @pl.when(j == cfg.kv_len_padded // bkv - 1)
     def _finalize():
         l = acc_sc[:, :LANES] if cfg.row_sum_on_mxu else l_sc[...]  # [bq, 128], lanes equal
         acc = acc_sc[:, LANES:] if cfg.row_sum_on_mxu else acc_sc[...]  # [bq, D]
         seen = l > 0.0
         inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        o_ref[...] = (acc * _lanes_to(inv_l, d)).astype(o_ref.dtype)
+        write_o(acc * _lanes_to(inv_l, d))
         # A row that sees no key gets lse = +inf, so exp(s - lse) = 0 in the backward.
         lse = jnp.where(seen, m_sc[...] * LN_2 + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
         # [bq, 128] with equal lanes -> the [1, bq] row the backward reads (one transpose per q
         # block; an lse stored replicated over 128 lanes would cost 128x its bytes in HBM).
         lse_ref[...] = jnp.transpose(lse)[:1, :]
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
+    """Head-major blocks: q [bq, D], k, v [bkv, D] of one head; grid (b, head, i, j)."""
+    refs = list(refs)
+    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+    o_ref, lse_ref, m_sc, acc_sc, sums_sc = refs
+
+    def write_o(o):
+        o_ref[...] = o.astype(o_ref.dtype)
+
+    _forward_head(cfg, pl.program_id(2), pl.program_id(3), lambda: q_ref[...],
+                  lambda cols: (k_ref[cols, :], v_ref[cols, :]), write_o, lse_ref, m_sc, acc_sc,
+                  sums_sc, q_seg_ref, kv_seg_ref)
+
+
+def _fwd_rows_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
+    """Token-major blocks of every head (plan.forward_reads_rows): q [bq * H, 128] with head h of
+    token t at row t * H + h (the [B, T, H, 128] input by a free reshape), k and v likewise with
+    Hkv heads; grid (b, i, j). The heads are unrolled strided row reads; o is gathered in
+    float32 by strided row writes and stored once, token-major. The state scratch has a leading
+    head axis."""
+    refs = list(refs)
+    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+    o_ref, lse_ref, m_sc, acc_sc, sums_sc, o_sc = refs
+    bq, bkv = cfg.block_q, cfg.block_kv
+    h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
+    i, j = pl.program_id(1), pl.program_id(2)
+    words = not cfg.interpret
+
+    def head_step(h: int):
+        hk = h // cfg.group
+
+        def read_kv(cols):
+            start, size = cols.start, cols.stop - cols.start
+            return (head_rows(k_ref, hk, h_kv, start, size, words),
+                    head_rows(v_ref, hk, h_kv, start, size, words))
+
+        def write_o(o):
+            o_sc[pl.ds(h, bq, stride=h_q), :] = o
+
+        _forward_head(cfg, i, j, lambda: head_rows(q_ref, h, h_q, 0, bq, words), read_kv,
+                      write_o, lse_ref.at[h], m_sc.at[h], acc_sc.at[h],
+                      sums_sc if cfg.row_sum_on_mxu else sums_sc.at[h], q_seg_ref, kv_seg_ref)
+
+    # The heads are unrolled: Mosaic cannot prove a traced head's strided rows tile-aligned. Each
+    # head runs in its own region (a condition that always holds, opaque to the compiler), so
+    # its temporaries are freed before the next head's (unrolled inline, 8 heads of 1024 x 1024
+    # tiles ran out of VMEM).
+    for h in range(h_q):
+        pl.when(pl.program_id(0) >= 0)(functools.partial(head_step, h))
+
+    @pl.when(j == cfg.kv_len_padded // bkv - 1)
+    def _store():
+        o_ref[0] = o_sc[...].astype(o_ref.dtype)
+
+
+def head_rows(ref, head: int, heads: int, start: int, size: int, words: bool):
+    """Rows start..start+size of `head` from a [1, n * heads, 128] block whose row t * heads + head
+    belongs to token t and `head`: [size, 128] in the block's dtype.
+
+    One head (heads = 1) is a plain slice; 32-bit data a strided read. 16-bit data (heads even)
+    is read as 32-bit words (`words`, compiled): Mosaic does not read strided rows of a packed
+    type well (libtpu's profiler refuses the result's type), but a word holds rows 2r (low half)
+    and 2r + 1 (high half), so a strided word read gives this head's rows in one half. JAX's own
+    ragged paged attention reads its interleaved k/v heads this way. In interpret mode (which
+    has no ref bitcast) the rows are read strided directly."""
+    if heads == 1:
+        return ref[0, pl.ds(start, size), :]
+    if ref.dtype.itemsize == 4 or not words:
+        return ref[0, pl.ds(start * heads + head, size, stride=heads), :]
+    # (The block keeps its leading unit dim: Mosaic bitcasts no ref whose rank a squeezed dim
+    # changed.)
+    word_rows = ref.bitcast(jnp.uint32)
+    w = word_rows[0, pl.ds((start * heads + head) // 2, size, stride=heads // 2), :]
+    return halves_to_rows(w, head % 2, ref.dtype)
+
+
+def halves_to_rows(words, odd: int, dtype):
+    """The bfloat16 rows held in the low (odd = 0) or high (odd = 1) halves of uint32 words, as
+    [n, 128] `dtype` (float32 bit patterns with the low 16 bits cleared, then cast: exact)."""
+    bits = words & jnp.uint32(0xFFFF0000) if odd else words << 16
+    return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
 def _rows_out(shape, dtype, rows: int, index_map, token_major: bool):
@@ -245,6 +330,22 @@ def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
     return q_map, kv_map, seg_specs
 
 
+def _forward_scratch(cfg: KernelConfig, heads: tuple, dtype) -> list:
+    """The forward's state: m, then [l | acc] and vx (row sums on the MXU) or acc and l, each with
+    the leading `heads` dims ((), or (H,) for the token-major kernel; vx is shared)."""
+    bq, d = cfg.block_q, cfg.head_dim
+    scratch = [pltpu.VMEM((*heads, bq, LANES), jnp.float32)]  # m
+    if cfg.row_sum_on_mxu:
+        return scratch + [
+            pltpu.VMEM((*heads, bq, LANES + d), jnp.float32),  # [l | acc]
+            pltpu.VMEM((cfg.block_kv_compute, LANES + d), dtype),  # vx = [ones | v]
+        ]
+    return scratch + [
+        pltpu.VMEM((*heads, bq, d), jnp.float32),  # acc
+        pltpu.VMEM((*heads, bq, LANES), jnp.float32),  # l
+    ]
+
+
 def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None,
                   token_major_out: bool = False):
     """Returns o [B, H, Tp, D] (token_major_out: [B, Tp, H * D], D a multiple of 128) in
@@ -258,45 +359,72 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None,
         pl.BlockSpec((None, None, bkv, d), kv_map),
         pl.BlockSpec((None, None, bkv, d), kv_map),
     ]
-    args = [q, k, v]
-    if cfg.has_segments:
-        in_specs += seg_specs
-        args += [q_seg, kv_seg]
     o_shape, o_spec = _rows_out(q.shape, out_dtype or q.dtype, bq, q_map, token_major_out)
-    out_shape = [o_shape, jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)]
-    out_specs = [
-        o_spec,
-        pl.BlockSpec((None, None, 1, bq), lambda bi, hi, i, j: (bi, hi, 0, i)),
+    lse_spec = pl.BlockSpec((None, None, 1, bq), lambda bi, hi, i, j: (bi, hi, 0, i))
+    return _forward_call(cfg, _fwd_kernel, grid, [q, k, v], in_specs, seg_specs,
+                         [o_shape, o_spec], lse_spec, _forward_scratch(cfg, (), v.dtype),
+                         ("parallel", "parallel", "parallel", "arbitrary"), q_seg, kv_seg)
+
+
+def flash_forward_rows(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
+    """The forward on the API's layout (plan.forward_reads_rows): q [B, Tp, H, 128], k, v
+    [B, Sp, Hkv, 128]; returns o [B, Tp, H, 128] in q's dtype and lse [B, H, 1, Tp] float32 rows.
+    Every block holds all heads, so no head-major copy is made (docs/attention_mosaic_tpu.md,
+    "Layout")."""
+    b, tp, h, d = q.shape
+    hkv = k.shape[2]
+    bq, bkv = cfg.block_q, cfg.block_kv
+    grid = (b, tp // bq, cfg.kv_len_padded // bkv)
+    head_map, kv_head_map, seg_specs = _q_major_maps(cfg, bq, bkv)
+
+    def q_map(bi, i, j):
+        return bi, head_map(bi, 0, i, j)[2], 0
+
+    def kv_map(bi, i, j):
+        return bi, kv_head_map(bi, 0, i, j)[2], 0
+
+    seg_specs = [pl.BlockSpec(spec.block_shape, functools.partial(
+        lambda index_map, bi, i, j: index_map(bi, 0, i, j), spec.index_map))
+        for spec in seg_specs]
+    rows = lambda x: x.reshape(b, -1, d)  # noqa: E731  [B, N * Hx, 128]: a free reshape
+    in_specs = [
+        pl.BlockSpec((1, bq * h, d), q_map),
+        pl.BlockSpec((1, bkv * hkv, d), kv_map),
+        pl.BlockSpec((1, bkv * hkv, d), kv_map),
     ]
-    scratch = [pltpu.VMEM((bq, LANES), jnp.float32)]  # m
-    if cfg.row_sum_on_mxu:
-        scratch += [
-            pltpu.VMEM((bq, LANES + d), jnp.float32),  # [l | acc]
-            pltpu.VMEM((cfg.block_kv_compute, LANES + d), v.dtype),  # vx = [ones | v]
-        ]
-    else:
-        scratch += [
-            pltpu.VMEM((bq, d), jnp.float32),  # acc
-            pltpu.VMEM((bq, LANES), jnp.float32),  # l
-        ]
-    name = _call_name("fwd", cfg, bq, bkv)
+    o_out = [jax.ShapeDtypeStruct((b, tp * h, d), q.dtype), pl.BlockSpec((1, bq * h, d), q_map)]
+    lse_spec = pl.BlockSpec((None, h, 1, bq), lambda bi, i, j: (bi, 0, 0, i))
+    scratch = _forward_scratch(cfg, (h,), v.dtype)
+    scratch.append(pltpu.VMEM((bq * h, d), jnp.float32))  # o of every head, token-major
+    o, lse = _forward_call(cfg, _fwd_rows_kernel, grid, [rows(q), rows(k), rows(v)], in_specs,
+                           seg_specs, o_out, lse_spec, scratch,
+                           ("parallel", "parallel", "arbitrary"), q_seg, kv_seg)
+    return o.reshape(b, tp, h, d), lse
+
+
+def _forward_call(cfg, kernel, grid, args, in_specs, seg_specs, o_out, lse_spec, scratch,
+                  semantics, q_seg, kv_seg):
+    """The forward's pallas_call; the kv axis (last) carries the online softmax."""
+    if cfg.has_segments:
+        in_specs = in_specs + seg_specs
+        args = args + [q_seg, kv_seg]
+    o_shape, o_spec = o_out
+    b, h, tp = cfg.batch, cfg.num_heads, cfg.q_len_padded
+    out_shape = [o_shape, jax.ShapeDtypeStruct((b, h, 1, tp), jnp.float32)]
+    name = _call_name("fwd", cfg, cfg.block_q, cfg.block_kv)
     with jax.named_scope(name):
-        o, lse = pl.pallas_call(
-            functools.partial(_fwd_kernel, cfg=cfg),
+        return pl.pallas_call(
+            functools.partial(kernel, cfg=cfg),
             out_shape=out_shape,
             grid=grid,
             in_specs=in_specs,
-            out_specs=out_specs,
+            out_specs=[o_spec, lse_spec],
             scratch_shapes=scratch,
-            # (batch, head, q block) parallel; the kv axis carries the online softmax.
-            compiler_params=_compiler_params(
-                cfg, ("parallel", "parallel", "parallel", "arbitrary")
-            ),
+            compiler_params=_compiler_params(cfg, semantics, cfg.forward_vmem_limit_bytes),
             cost_estimate=cost_estimate(cfg, passes=1, arrays=args, out_shape=out_shape),
             interpret=cfg.interpret,
             name=name,
         )(*args)
-    return o, lse
 
 
 # Backward: dq.

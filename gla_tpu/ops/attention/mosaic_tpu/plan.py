@@ -37,9 +37,15 @@ class BlockSizes:
       vmem_limit_bytes: scoped VMEM limit passed to Mosaic; None keeps the compiler's default.
       row_sum_on_mxu: whether the forward takes the softmax row sums on the MXU, as the extra
         128 output columns of p @ [ones | v], instead of reducing p on the VPU; bfloat16
-        inputs only. None: where those columns fit in the MXU's width beside v's, i.e. at
-        D <= 128 on 256-wide MXUs (v6e, 7x), where p @ v alone leaves half the array idle
+        inputs only. None: on v6e at D <= 128, where those columns fit in the 256-wide MXU
+        beside v's and p @ v alone leaves half the array idle (not on 7x, measured slower)
         (docs/attention_mosaic_tpu.md, "Base-2 exponentials and row sums on the MXU").
+      forward_reads_rows: whether the forward reads q, k, v in the API's layout, every block
+        holding all heads (`kernels.flash_forward_rows`), instead of head-major copies. None:
+        wherever it applies (D = 128; bfloat16 or float32; H and Hkv even or 1), its blocks fit
+        70% of the chip's VMEM (block_q, block_kv halved down to 512 until they do) and, on two
+        TensorCores, the split is even (causal: an even batch);
+        True where it applies; False never. (docs/attention_mosaic_tpu.md, "Layout").
 
     Example:
       >>> BlockSizes(block_q=256, block_kv=512, block_kv_compute=256)  # doctest: +ELLIPSIS
@@ -55,6 +61,7 @@ class BlockSizes:
     block_kv_dkv: int = 512
     vmem_limit_bytes: int | None = None
     row_sum_on_mxu: bool | None = None
+    forward_reads_rows: bool | None = None
 
     def __post_init__(self):
         for name in _BLOCK_FIELDS + ("block_kv_compute",):
@@ -83,6 +90,11 @@ class BlockSizes:
             raise ValueError(
                 f"BlockSizes.row_sum_on_mxu must be None, True or False; got "
                 f"{self.row_sum_on_mxu!r}."
+            )
+        if self.forward_reads_rows is not None and not isinstance(self.forward_reads_rows, bool):
+            raise ValueError(
+                f"BlockSizes.forward_reads_rows must be None, True or False; got "
+                f"{self.forward_reads_rows!r}."
             )
 
     @classmethod
@@ -125,8 +137,10 @@ class KernelConfig:
     block_kv_dq: int
     block_q_dkv: int
     block_kv_dkv: int
-    vmem_limit_bytes: int | None
+    vmem_limit_bytes: int | None  # the backward's kernels (and the head-major forward's)
+    forward_vmem_limit_bytes: int | None  # the forward's: raised for the rows forward
     row_sum_on_mxu: bool  # forward: l from p @ [ones | v] (BlockSizes.row_sum_on_mxu)
+    forward_reads_rows: bool  # forward on the API's layout (BlockSizes.forward_reads_rows)
     interpret: Any  # False or a pltpu.InterpretParams
 
     @property
@@ -155,11 +169,20 @@ def _target_mxu_width() -> int | None:
     return None if info is None else info.mxu_column_size
 
 
-def _row_sum_on_mxu(requested: bool | None, dtype, head_dim: int, mxu_width: int | None) -> bool:
-    """Resolves BlockSizes.row_sum_on_mxu for inputs of `dtype` on an MXU `mxu_width` wide."""
+# Chips whose forward takes the row sums on the MXU by default (BlockSizes.row_sum_on_mxu): the
+# 256-wide MXUs of v6e. 7x has MXUs as wide, but there libtpu's static estimate of the forward is
+# 28% higher with them (B1 H8 T4096 D128 causal, the rows forward: 401,216 against 312,700
+# cycles), and its profiler aborts on the head-major forward with them.
+_MXU_ROW_SUM_GENERATIONS = (6,)
+
+
+def _row_sum_on_mxu(requested: bool | None, dtype, head_dim: int, info) -> bool:
+    """Resolves BlockSizes.row_sum_on_mxu for inputs of `dtype` on the chip `info` (a TpuInfo,
+    None off a TPU)."""
     sixteen_bit = jnp.dtype(dtype).itemsize == 2
     if requested is None:
-        return sixteen_bit and mxu_width is not None and mxu_width >= LANES + head_dim
+        return (sixteen_bit and info is not None and info.generation in _MXU_ROW_SUM_GENERATIONS
+                and info.mxu_column_size >= LANES + head_dim)
     if requested and not sixteen_bit:
         # p @ [ones | v] in float32 would sum p at the MXU's float32 precision, not the VPU's.
         raise ValueError(
@@ -169,10 +192,13 @@ def _row_sum_on_mxu(requested: bool | None, dtype, head_dim: int, mxu_width: int
     return requested
 
 
-def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelConfig:
-    """Resolves block sizes against the problem (clamping to short sequences) and pads lengths."""
+def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
+                  rows_forward: bool = True) -> KernelConfig:
+    """Resolves block sizes against the problem (clamping to short sequences) and pads lengths.
+    rows_forward=False keeps the forward head-major (ring attention's blocks)."""
     bs = block_sizes
-    mxu_width = None if interpret else _target_mxu_width()
+    info = None if interpret else target_tpu_info()
+    mxu_width = None if info is None else info.mxu_column_size
     if bs is None:
         bs = BlockSizes.default(problem.head_dim, mxu_width)
     q_cap, kv_cap = _block_cap(problem.q_len), _block_cap(problem.kv_len)
@@ -182,6 +208,23 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelC
     bkc = min(bs.block_kv_compute or bkv, bkv)
     if bkv % bkc:
         bkc = bkv
+    row_sums = _row_sum_on_mxu(bs.row_sum_on_mxu, problem.dtype, problem.head_dim, info)
+    vmem_limit = bs.vmem_limit_bytes
+    reads_rows = rows_forward and bs.forward_reads_rows is not False and _rows_apply(problem)
+    if reads_rows and bs.forward_reads_rows is None and info is not None:
+        # Two TensorCores (v4, v5p megacore) split a parallel grid axis: at batch 1 the rows
+        # forward's q blocks, whose causal work is unequal, and libtpu's estimate of such a split
+        # does not show the slower core; the head-major forward splits over heads (equal work).
+        balanced = info.num_cores == 1 or not problem.causal or problem.batch % 2 == 0
+        fitted = _fit_rows_blocks(problem, bq, bkv, bkc, row_sums,
+                                  int(info.vmem_capacity_bytes * _ROWS_VMEM_SHARE))
+        reads_rows = balanced and fitted is not None
+        if reads_rows:
+            bq, bkv, bkc = fitted
+    forward_vmem_limit = vmem_limit
+    if reads_rows and vmem_limit is None and info is not None:
+        # The blocks of all heads need more than the compiler's default scoped limit.
+        forward_vmem_limit = int(info.vmem_capacity_bytes * _ROWS_VMEM_LIMIT_SHARE)
     q_mult = math.lcm(bq, bq_dq, bq_dkv)
     kv_mult = math.lcm(bkv, bkv_dq, bkv_dkv)
     return KernelConfig(
@@ -192,11 +235,66 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret) -> KernelC
         causal=problem.causal, sm_scale=float(problem.sm_scale),
         has_segments=problem.has_segments,
         block_q=bq, block_kv=bkv, block_kv_compute=bkc, block_q_dq=bq_dq, block_kv_dq=bkv_dq,
-        block_q_dkv=bq_dkv, block_kv_dkv=bkv_dkv, vmem_limit_bytes=bs.vmem_limit_bytes,
-        row_sum_on_mxu=_row_sum_on_mxu(bs.row_sum_on_mxu, problem.dtype, problem.head_dim,
-                                       mxu_width),
+        block_q_dkv=bq_dkv, block_kv_dkv=bkv_dkv, vmem_limit_bytes=vmem_limit,
+        forward_vmem_limit_bytes=forward_vmem_limit,
+        row_sum_on_mxu=row_sums, forward_reads_rows=reads_rows,
         interpret=tpu_interpret_params(interpret),
     )
+
+
+def _rows_apply(problem) -> bool:
+    """Whether `kernels.flash_forward_rows` takes the problem: rows of 128 lanes (D = 128), and
+    each head's rows readable as strided 32-bit rows (float32; bfloat16 with an even head count,
+    read as words of two rows; one head)."""
+    if problem.head_dim != LANES:
+        return False
+    dtype = jnp.dtype(problem.dtype)
+    if dtype == jnp.float32:
+        return True
+    return dtype == jnp.bfloat16 and all(
+        h == 1 or h % 2 == 0 for h in (problem.num_heads, problem.num_kv_heads))
+
+
+# The rows forward's blocks are not shrunk below this (to fit VMEM): smaller tiles than the
+# head-major defaults are unmeasured, and there the head-major forward is taken.
+_ROWS_MIN_BLOCK = 512
+# Their footprint (rows_forward_vmem_bytes, which counts every block double-buffered) must fit
+# this share of the chip's VMEM, under a scoped limit of the second share.
+_ROWS_VMEM_SHARE = 0.7
+_ROWS_VMEM_LIMIT_SHARE = 0.75
+
+
+def _fit_rows_blocks(problem, bq: int, bkv: int, bkc: int, row_sums: bool, budget: int):
+    """(block_q, block_kv, block_kv_compute) of the token-major forward within `budget` bytes of
+    VMEM, halving the larger of the two blocks (not below 512); None if they do not fit."""
+    while True:
+        need = rows_forward_vmem_bytes(bq, bkv, bkc, problem.num_heads, problem.num_kv_heads,
+                                       problem.head_dim, jnp.dtype(problem.dtype).itemsize,
+                                       row_sums, problem.has_segments)
+        if need <= budget:
+            return bq, bkv, bkc
+        if bq >= bkv and bq // 2 >= _ROWS_MIN_BLOCK and bq % (2 * BLOCK_MULTIPLE) == 0:
+            bq //= 2
+        elif bkv // 2 >= _ROWS_MIN_BLOCK and bkv % (2 * BLOCK_MULTIPLE) == 0:
+            bkv //= 2
+            bkc = min(bkc, bkv)
+        else:
+            return None
+
+
+def rows_forward_vmem_bytes(bq: int, bkv: int, bkc: int, heads: int, kv_heads: int, d: int,
+                            itemsize: int, row_sums: bool, segments: bool = False) -> int:
+    """VMEM of the token-major forward (`kernels.flash_forward_rows`): double-buffered blocks
+    of every head (q, k, v, o, the lse rows at 8 sublanes each), the per-head state (m, l, acc),
+    o gathered in float32, and one head's score temporaries (the heads are a loop)."""
+    rows = lambda n: SUBLANES * n * 4  # noqa: E731  a [1, n] float32/int32 row block
+    io = 2 * (2 * bq * heads + 2 * bkv * kv_heads) * d * itemsize + 2 * heads * rows(bq)
+    io += 2 * (rows(bq) + rows(bkv)) if segments else 0
+    state = heads * bq * (2 * LANES + d) * 4  # m, l (or the MXU row sums' 128 columns), acc
+    state += bkc * (LANES + d) * itemsize if row_sums else 0  # vx
+    gathered_o = bq * heads * d * 4
+    temps = bq * bkc * (2 * 4 + itemsize)
+    return io + state + gathered_o + temps
 
 
 def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,

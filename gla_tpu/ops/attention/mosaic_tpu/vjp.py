@@ -1,9 +1,11 @@
 """custom_vjp wiring of the Mosaic TPU flash attention kernels.
 
-The custom_vjp takes and returns the API's [B, T, H, D] layout (padded to the blocks); the kernels
-read head-major copies of q, k, v and do, made here, and write o, dq, dk and dv in the API's
-layout where D is a multiple of 128 (`token_major_output`), head-major (then transposed) at D = 64.
-Forward saves the head-major q, k, v, o, lse and the segment ids; the backward computes
+The custom_vjp takes and returns the API's [B, T, H, D] layout (padded to the blocks). The forward
+reads that layout itself where `cfg.forward_reads_rows` (D = 128, blocks of all heads), and
+head-major copies of q, k, v, made here, otherwise; the backward kernels read head-major copies of
+q, k, v and do. o, dq, dk and dv are written in the API's layout where D is a multiple of 128
+(`token_major_output`), head-major (then transposed) at D = 64. Forward saves q, k, v (head-major
+where it made those copies), o, lse and the segment ids; the backward computes
 di = rowsum(o * do) once and runs the dq and dk/dv kernels, which recompute p = exp(s - lse) block
 by block.
 """
@@ -15,7 +17,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.attention.mosaic_tpu.kernels import flash_dkv, flash_dq, flash_forward
+from gla_tpu.ops.attention.mosaic_tpu.kernels import (
+    flash_dkv,
+    flash_dq,
+    flash_forward,
+    flash_forward_rows,
+)
 from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig
 
 
@@ -39,31 +46,35 @@ def _api_layout(cfg: KernelConfig, x):
     return _head_major(x)
 
 
-def _forward(cfg, qh, kh, vh, q_seg, kv_seg):
-    """(o [B, Tp, H, D], lse [B, H, 1, Tp]) from head-major inputs."""
+def _forward(cfg, q, k, v, q_seg, kv_seg):
+    """(o [B, Tp, H, D], lse [B, H, 1, Tp], the q, k, v the backward starts from: head-major
+    copies where the forward made them, else q, k, v as given)."""
+    if cfg.forward_reads_rows:
+        o, lse = flash_forward_rows(cfg, q, k, v, q_seg, kv_seg)
+        return o, lse, (q, k, v)
+    qh, kh, vh = _head_major(q), _head_major(k), _head_major(v)
     o, lse = flash_forward(cfg, qh, kh, vh, q_seg, kv_seg,
                            token_major_out=token_major_output(cfg))
-    return _api_layout(cfg, o), lse
+    return _api_layout(cfg, o), lse, (qh, kh, vh)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
-    """o [B, Tp, H, D] from q [B, Tp, H, D], k, v [B, Sp, Hkv, D] (padded), segment rows or None.
-    The kernels read head-major copies of q, k, v (and do), made here."""
-    o, _ = _forward(cfg, _head_major(q), _head_major(k), _head_major(v), q_seg, kv_seg)
-    return o
+    """o [B, Tp, H, D] from q [B, Tp, H, D], k, v [B, Sp, Hkv, D] (padded), segment rows or None."""
+    return _forward(cfg, q, k, v, q_seg, kv_seg)[0]
 
 
 def _attention_fwd(cfg, q, k, v, q_seg, kv_seg):
-    qh, kh, vh = _head_major(q), _head_major(k), _head_major(v)
-    o, lse = _forward(cfg, qh, kh, vh, q_seg, kv_seg)
-    return o, (qh, kh, vh, q_seg, kv_seg, o, lse)
+    o, lse, qkv = _forward(cfg, q, k, v, q_seg, kv_seg)
+    return o, (*qkv, q_seg, kv_seg, o, lse)
 
 
 def _attention_bwd(cfg, residuals, do):
-    """Residuals: head-major q, k, v, the segment rows, o [B, Tp, H, D] and lse; do as o.
-    Returns (dq, dk, dv) in the API's layout and no cotangent for the segment ids."""
-    qh, kh, vh, q_seg, kv_seg, o, lse = residuals
+    """Residuals: q, k, v (head-major unless the forward read rows), the segment rows,
+    o [B, Tp, H, D] and lse; do as o. Returns (dq, dk, dv) in the API's layout and no cotangent
+    for the segment ids."""
+    q, k, v, q_seg, kv_seg, o, lse = residuals
+    qh, kh, vh = (_head_major(x) for x in (q, k, v)) if cfg.forward_reads_rows else (q, k, v)
     with jax.named_scope("flash_bwd_di"):
         di = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tp, H]
     di_rows = jnp.swapaxes(di, 1, 2)[:, :, None, :]  # [B, H, 1, Tp], as lse
