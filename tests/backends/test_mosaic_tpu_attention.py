@@ -106,6 +106,11 @@ def test_forward_reads_rows_where_it_applies(h, hkv, d, dtype, expected):
     assert not kernel_config(problem, BlockSizes(forward_reads_rows=False), True) \
         .forward_reads_rows
     assert not kernel_config(problem, None, True, rows_forward=False).forward_reads_rows
+    assert kernel_config(problem, None, True).backward_reads_rows is expected
+    assert not kernel_config(problem, BlockSizes(backward_reads_rows=False), True) \
+        .backward_reads_rows
+    assert not kernel_config(problem, BlockSizes(forward_reads_rows=False), True) \
+        .backward_reads_rows  # the backward reads what the forward saved
 
 
 def test_bad_forward_reads_rows_raises_value_error():
@@ -114,21 +119,20 @@ def test_bad_forward_reads_rows_raises_value_error():
         BlockSizes(forward_reads_rows="yes")
 
 
-def test_rows_forward_blocks_shrink_to_half_the_vmem():
-    """On a chip, the rows forward halves its blocks until every head's fit half the VMEM, and
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkv"])
+def test_rows_blocks_shrink_to_fit_the_vmem(kind):
+    """On a chip, a rows kernel halves its blocks until every head's fit the VMEM budget, and
     falls back to head-major copies below 512."""
     from gla_tpu.ops.attention.mosaic_tpu import plan
 
     problem = _problem(16, 16, 128, jnp.bfloat16)
-    need = lambda bq, bkv: plan.rows_forward_vmem_bytes(  # noqa: E731
-        bq, bkv, bkv, 16, 16, 128, 2, True)
-    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(1024, 1024)) == (
-        1024, 1024, 1024)
-    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(512, 1024)) == (
-        512, 1024, 1024)
-    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(512, 512)) == (
-        512, 512, 512)
-    assert plan._fit_rows_blocks(problem, 1024, 1024, 1024, True, need(512, 512) - 1) is None
+    need = lambda bq, bkv: plan.rows_vmem_bytes(kind, bq, bkv, bkv, 16, 16, 128, 2, True)  # noqa
+    fit = lambda budget: plan._fit_rows_blocks(  # noqa: E731
+        problem, kind, 1024, 1024, 1024, row_sums=True, budget=budget)
+    assert fit(need(1024, 1024)) == (1024, 1024, 1024)
+    assert fit(need(512, 1024)) == (512, 1024, 1024)
+    assert fit(need(512, 512)) == (512, 512, 512)
+    assert fit(need(512, 512) - 1) is None
 
 
 def test_halves_to_rows_reads_the_word_halves_as_tpu_packs_them():
@@ -151,10 +155,12 @@ def test_halves_to_rows_reads_the_word_halves_as_tpu_packs_them():
 @pytest.mark.parametrize("case,dtype", [
     (C(2, 300, 300, 4, 2, 128, causal=True), jnp.bfloat16),
     (C(1, 200, 330, 3, 1, 128, causal=True, segments="pair"), jnp.float32),
+    (C(1, 130, 260, 2, 1, 128), jnp.bfloat16),
 ])
-def test_rows_forward_equals_the_head_major_forward(case, dtype):
-    """Same blocks, same arithmetic: the rows forward's outputs and gradients equal the head-major
-    forward's bit for bit (the pass rule checks both against float64 in tests/ops)."""
+def test_rows_kernels_equal_the_head_major_kernels(case, dtype):
+    """Same blocks, same arithmetic: with the rows kernels (forward and backward) the outputs and
+    gradients equal the head-major kernels' bit for bit, but for GQA's dk and dv, summed over
+    the group in another order (the pass rule checks them against float64 in tests/ops)."""
     import dataclasses
 
     import jax
@@ -166,7 +172,8 @@ def test_rows_forward_equals_the_head_major_forward(case, dtype):
     q, k, v, segment_ids = (inputs[n] for n in ("q", "k", "v", "segment_ids"))
 
     def run(reads_rows):
-        sizes = dataclasses.replace(SMALL, forward_reads_rows=reads_rows)
+        sizes = dataclasses.replace(SMALL, forward_reads_rows=reads_rows,
+                                    backward_reads_rows=reads_rows)
 
         def loss(q, k, v):
             o = ops.flash_attention(q, k, v, causal=case.causal, segment_ids=segment_ids,
@@ -175,5 +182,16 @@ def test_rows_forward_equals_the_head_major_forward(case, dtype):
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
-    for a, b in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
+    (dq, dk, dv), o = run(True)
+    (dq0, dk0, dv0), o0 = run(False)
+    for a, b in ((o, o0), (dq, dq0)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in ((dk, dk0), (dv, dv0)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if case.num_heads == case.num_kv_heads:
+            np.testing.assert_array_equal(a, b)
+        else:
+            # dk, dv sum a kv head's query heads in another order (heads inside each q block,
+            # not q blocks inside each head): equal up to the rounding of the float32 sums
+            np.testing.assert_allclose(a, b, rtol=1e-5 if dtype == jnp.float32 else 2**-7,
+                                       atol=1e-6 * np.abs(b).max())

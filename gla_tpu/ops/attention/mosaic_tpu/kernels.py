@@ -204,8 +204,7 @@ def _forward_head(cfg: KernelConfig, i, j, read_q, read_kv, write_o, lse_ref, m_
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
     """Head-major blocks: q [bq, D], k, v [bkv, D] of one head; grid (b, head, i, j)."""
-    refs = list(refs)
-    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
     o_ref, lse_ref, m_sc, acc_sc, sums_sc = refs
 
     def write_o(o):
@@ -222,8 +221,7 @@ def _fwd_rows_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
     Hkv heads; grid (b, i, j). The heads are unrolled strided row reads; o is gathered in
     float32 by strided row writes and stored once, token-major. The state scratch has a leading
     head axis."""
-    refs = list(refs)
-    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_segments else (None, None)
+    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
     o_ref, lse_ref, m_sc, acc_sc, sums_sc, o_sc = refs
     bq, bkv = cfg.block_q, cfg.block_kv
     h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
@@ -245,16 +243,44 @@ def _fwd_rows_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
                       write_o, lse_ref.at[h], m_sc.at[h], acc_sc.at[h],
                       sums_sc if cfg.row_sum_on_mxu else sums_sc.at[h], q_seg_ref, kv_seg_ref)
 
-    # The heads are unrolled: Mosaic cannot prove a traced head's strided rows tile-aligned. Each
-    # head runs in its own region (a condition that always holds, opaque to the compiler), so
-    # its temporaries are freed before the next head's (unrolled inline, 8 heads of 1024 x 1024
-    # tiles ran out of VMEM).
-    for h in range(h_q):
-        pl.when(pl.program_id(0) >= 0)(functools.partial(head_step, h))
+    _each_head_in_its_region(h_q, head_step)
 
     @pl.when(j == cfg.kv_len_padded // bkv - 1)
     def _store():
         o_ref[0] = o_sc[...].astype(o_ref.dtype)
+
+
+def _segment_refs(cfg: KernelConfig, refs):
+    """(q segment ids ref, kv segment ids ref, the other refs): the ids come first where there
+    are segments, else (None, None)."""
+    refs = list(refs)
+    if cfg.has_segments:
+        return refs[0], refs[1], refs[2:]
+    return None, None, refs
+
+
+def _backward_rows_reader(cfg: KernelConfig, q_ref, k_ref, v_ref, do_ref, bq: int, bkv: int):
+    """reader(h)() -> (q, do [bq, D] of head h, k, v [bkv, D] of its kv head) from rows blocks."""
+    words = not cfg.interpret
+    h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
+
+    def reader(h: int):
+        hk = h // cfg.group
+        return lambda: (head_rows(q_ref, h, h_q, 0, bq, words),
+                        head_rows(k_ref, hk, h_kv, 0, bkv, words),
+                        head_rows(v_ref, hk, h_kv, 0, bkv, words),
+                        head_rows(do_ref, h, h_q, 0, bq, words))
+
+    return reader
+
+
+def _each_head_in_its_region(heads: int, head_step) -> None:
+    """Runs head_step(h) for h < heads, unrolled: Mosaic cannot prove a traced head's strided rows
+    tile-aligned. Each head runs in its own region (a condition that always holds, opaque to the
+    compiler), so its temporaries are freed before the next head's (unrolled inline, 8 heads of
+    1024 x 1024 tiles ran out of VMEM)."""
+    for h in range(heads):
+        pl.when(pl.program_id(0) >= 0)(functools.partial(head_step, h))
 
 
 def head_rows(ref, head: int, heads: int, start: int, size: int, words: bool):
@@ -430,20 +456,19 @@ def _forward_call(cfg, kernel, grid, args, in_specs, seg_specs, o_out, lse_spec,
 # Backward: dq.
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
-    if cfg.has_segments:
-        q_seg_ref, kv_seg_ref, dq_ref, dq_sc = refs
-    else:
-        dq_ref, dq_sc = refs
+def _dq_head(cfg: KernelConfig, i, j, read, lse_ref, di_ref, dq_sc, write_dq, q_seg_ref,
+             kv_seg_ref):
+    """One head's dq at grid step (q block i, kv block j): read() -> (q, k, v, do), [bq, D] and
+    [bkv, D]; lse_ref, di_ref [1, bq] rows; dq_sc [bq, D] float32; write_dq(dq) stores the
+    scaled float32 dq after the last kv block."""
     bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
-    i, j = pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
     def compute(masked: bool):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        q, k, v, do = read()
         s = product(q, k, "nt")
         s = s * (cfg.sm_scale * LOG2_E)  # [bq, bkv], base-2 units
         p = jnp.exp2(s - _column(lse_ref) * LOG2_E)  # [bq, bkv]
@@ -459,9 +484,47 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
-    @pl.when(j == pl.num_programs(3) - 1)
+    @pl.when(j == cfg.kv_len_padded // bkv - 1)
     def _finalize():
-        dq_ref[...] = (dq_sc[...] * cfg.sm_scale).astype(dq_ref.dtype)
+        write_dq(dq_sc[...] * cfg.sm_scale)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
+    """Head-major blocks of one head; grid (b, head, i, j)."""
+    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
+    dq_ref, dq_sc = refs
+
+    def write_dq(dq):
+        dq_ref[...] = dq.astype(dq_ref.dtype)
+
+    _dq_head(cfg, pl.program_id(2), pl.program_id(3),
+             lambda: (q_ref[...], k_ref[...], v_ref[...], do_ref[...]), lse_ref, di_ref, dq_sc,
+             write_dq, q_seg_ref, kv_seg_ref)
+
+
+def _dq_rows_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
+    """Rows of every head (as `_fwd_rows_kernel`): q, do [1, bq * H, 128], k, v
+    [1, bkv * Hkv, 128], lse, di [H, 1, bq]; grid (b, i, j); dq of every head gathered in float32
+    and stored once."""
+    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
+    dq_ref, dq_sc, gathered = refs
+    bq, bkv, h_q = cfg.block_q_dq, cfg.block_kv_dq, cfg.num_heads
+    i, j = pl.program_id(1), pl.program_id(2)
+
+    reader = _backward_rows_reader(cfg, q_ref, k_ref, v_ref, do_ref, bq, bkv)
+
+    def head_step(h: int):
+        def write_dq(dq):
+            gathered[pl.ds(h, bq, stride=h_q), :] = dq
+
+        _dq_head(cfg, i, j, reader(h), lse_ref.at[h], di_ref.at[h], dq_sc.at[h], write_dq,
+                 q_seg_ref, kv_seg_ref)
+
+    _each_head_in_its_region(h_q, head_step)
+
+    @pl.when(j == cfg.kv_len_padded // bkv - 1)
+    def _store():
+        dq_ref[0] = gathered[...].astype(dq_ref.dtype)
 
 
 def _backward_in_specs(bq: int, bkv: int, d: int, q_map, kv_map, row_map):
@@ -517,21 +580,14 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtyp
 # per-query rows lse and di broadcast without a relayout.
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
-    if cfg.has_segments:
-        q_seg_ref, kv_seg_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
-    else:
-        dk_ref, dv_ref, dk_sc, dv_sc = refs
+def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_seg_ref,
+              kv_seg_ref):
+    """One query head's share of dk and dv at grid step (kv block j, q block i): read() ->
+    (q, k, v, do); lse_ref, di_ref [1, bq] rows; accumulates into dk_sc, dv_sc [bkv, D]."""
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
-    j, gi, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-
-    @pl.when(jnp.logical_and(gi == 0, i == 0))
-    def _init():
-        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
-        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
     def compute(masked: bool):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        q, k, v, do = read()
         s_t = product(k, q, "nt")
         s_t = s_t * (cfg.sm_scale * LOG2_E)  # [bkv, bq], base-2 units
         p_t = jnp.exp2(s_t - lse_ref[...] * LOG2_E)  # [bkv, bq]; lse row [1, bq]
@@ -548,10 +604,64 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
+    """Head-major blocks; grid (b, kv head, j, query head in group, i)."""
+    q_seg_ref, kv_seg_ref, (dk_ref, dv_ref, dk_sc, dv_sc) = _segment_refs(cfg, refs)
+    j, gi, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+    @pl.when(jnp.logical_and(gi == 0, i == 0))
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    _dkv_head(cfg, j, i, lambda: (q_ref[...], k_ref[...], v_ref[...], do_ref[...]), lse_ref,
+              di_ref, dk_sc, dv_sc, q_seg_ref, kv_seg_ref)
+
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))
     def _finalize():
         dk_ref[...] = (dk_sc[...] * cfg.sm_scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dkv_rows_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
+    """Rows of every head (as `_fwd_rows_kernel`); grid (b, j, i): each step adds every query
+    head's share to its kv head's dk, dv [Hkv, bkv, D] float32, which are gathered and stored
+    after the last q block."""
+    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
+    dk_ref, dv_ref, dk_sc, dv_sc, gathered = refs
+    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
+    h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
+    j, i = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(i == 0)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    reader = _backward_rows_reader(cfg, q_ref, k_ref, v_ref, do_ref, bq, bkv)
+
+    def head_step(h: int):
+        hk = h // cfg.group
+        _dkv_head(cfg, j, i, reader(h), lse_ref.at[h], di_ref.at[h], dk_sc.at[hk], dv_sc.at[hk],
+                  q_seg_ref, kv_seg_ref)
+
+    _each_head_in_its_region(h_q, head_step)
+
+    @pl.when(i == cfg.q_len_padded // bq - 1)
+    def _store():
+        for out_ref, acc_sc, scale in ((dk_ref, dk_sc, cfg.sm_scale), (dv_ref, dv_sc, 1.0)):
+            for n in range(h_kv):
+                gathered[pl.ds(n, bkv, stride=h_kv), :] = acc_sc[n] * scale
+            out_ref[0] = gathered[...].astype(out_ref.dtype)
+
+
+def _dkv_q_block(cfg: KernelConfig, j, i):
+    """The q block the dk/dv kernels fetch at (kv block j, q step i): causal, the q blocks before
+    the first one that sees kv block j are skipped by pointing them at it."""
+    if cfg.causal:
+        return jnp.maximum(i, _first_q_block(cfg, j, cfg.block_q_dkv, cfg.block_kv_dkv))
+    return i
 
 
 def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None,
@@ -564,11 +674,7 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
     # (batch, kv head, kv block) parallel; (query head in group, q block) accumulate.
     grid = (b, hkv, sp // bkv, g, cfg.q_len_padded // bq)
 
-    def q_block(j, i):
-        if cfg.causal:
-            # q blocks before the first one that sees kv block j are skipped: point them at it.
-            return jnp.maximum(i, _first_q_block(cfg, j, bq, bkv))
-        return i
+    q_block = functools.partial(_dkv_q_block, cfg)
 
     def q_map(bi, ni, j, gi, i):
         return bi, ni * g + gi, q_block(j, i), 0
@@ -606,3 +712,88 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
             interpret=cfg.interpret,
             name=name,
         )(*args)
+
+
+# The backward on the API's layout (plan's backward_reads_rows): every head per block, as the
+# rows forward.
+
+
+def _rows_view(x):
+    """[B, N, Hx, 128] -> [B, N * Hx, 128] rows (a free reshape)."""
+    b, n, hx, d = x.shape
+    return x.reshape(b, n * hx, d)
+
+
+def _rows_backward_call(cfg, kind, kernel, grid, q_side_map, kv_side_map, semantics, arrays,
+                        outs, scratch, q_seg, kv_seg):
+    """A rows backward kernel's pallas_call. q_side_map(*grid index) -> (b, q block) and
+    kv_side_map -> (b, kv block) place every block; arrays = q, k, v, do [B, N, Hx, 128] and
+    lse, di [B, H, 1, Tp]; outs [(x, block)]: outputs shaped as x, in (block * Hx)-row blocks."""
+    q, k, v, do, lse, di = arrays
+    h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    bq, bkv = (cfg.block_q_dq, cfg.block_kv_dq) if kind == "dq" else (cfg.block_q_dkv,
+                                                                          cfg.block_kv_dkv)
+    q_rows = lambda *g: (q_side_map(*g)[0], q_side_map(*g)[1], 0)  # noqa: E731
+    kv_rows = lambda *g: (kv_side_map(*g)[0], kv_side_map(*g)[1], 0)  # noqa: E731
+    in_specs = [pl.BlockSpec((1, bq * h, d), q_rows), pl.BlockSpec((1, bkv * hkv, d), kv_rows),
+                pl.BlockSpec((1, bkv * hkv, d), kv_rows), pl.BlockSpec((1, bq * h, d), q_rows)]
+    in_specs += [pl.BlockSpec((None, h, 1, bq),
+                              lambda *g: (q_side_map(*g)[0], 0, 0, q_side_map(*g)[1]))] * 2
+    args = [_rows_view(x) for x in (q, k, v, do)] + [lse, di]
+    if cfg.has_segments:
+        in_specs += [pl.BlockSpec((None, 1, bq), lambda *g: (q_side_map(*g)[0], 0,
+                                                              q_side_map(*g)[1])),
+                     pl.BlockSpec((None, 1, bkv), lambda *g: (kv_side_map(*g)[0], 0,
+                                                               kv_side_map(*g)[1]))]
+        args += [q_seg, kv_seg]
+    out_shape = [jax.ShapeDtypeStruct(_rows_view(x).shape, x.dtype) for x, _ in outs]
+    out_specs = [pl.BlockSpec((1, block * x.shape[2], d), q_rows if kind == "dq" else kv_rows)
+                 for x, block in outs]
+    name = _call_name(f"bwd_{kind}_rows", cfg, bq, bkv)
+    with jax.named_scope(name):
+        results = pl.pallas_call(
+            functools.partial(kernel, cfg=cfg),
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+            compiler_params=_compiler_params(cfg, semantics, cfg.backward_vmem_limit_bytes),
+            cost_estimate=cost_estimate(cfg, passes=2 if kind == "dq" else 3, arrays=args,
+                                        out_shape=out_shape),
+            interpret=cfg.interpret,
+            name=name,
+        )(*args)
+    return [r.reshape(x.shape) for r, (x, _) in zip(results, outs)]
+
+
+def flash_dq_rows(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
+    """dq [B, Tp, H, 128] in q's dtype from q, do [B, Tp, H, 128], k, v [B, Sp, Hkv, 128] and
+    lse, di [B, H, 1, Tp] float32 rows; every head per block (`_dq_rows_kernel`)."""
+    b, tp, h, d = q.shape
+    bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
+    head_q_map, head_kv_map, _ = _q_major_maps(cfg, bq, bkv)
+    (dq,) = _rows_backward_call(
+        cfg, "dq", _dq_rows_kernel, (b, tp // bq, cfg.kv_len_padded // bkv),
+        lambda bi, i, j: (bi, head_q_map(bi, 0, i, j)[2]),
+        lambda bi, i, j: (bi, head_kv_map(bi, 0, i, j)[2]),
+        ("parallel", "parallel", "arbitrary"), (q, k, v, do, lse, di), [(q, bq)],
+        [pltpu.VMEM((h, bq, d), jnp.float32), pltpu.VMEM((bq * h, d), jnp.float32)],
+        q_seg, kv_seg)
+    return dq
+
+
+def flash_dkv_rows(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
+    """(dk, dv) [B, Sp, Hkv, 128] in k's dtype, summed over each kv head's G query heads; inputs as
+    `flash_dq_rows`; every head per block (`_dkv_rows_kernel`)."""
+    b, sp, hkv, d = k.shape
+    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
+
+    q_block = functools.partial(_dkv_q_block, cfg)
+    return _rows_backward_call(
+        cfg, "dkv", _dkv_rows_kernel, (b, sp // bkv, cfg.q_len_padded // bq),
+        lambda bi, j, i: (bi, q_block(j, i)), lambda bi, j, i: (bi, j),
+        ("parallel", "parallel", "arbitrary"), (q, k, v, do, lse, di), [(k, bkv), (v, bkv)],
+        [pltpu.VMEM((hkv, bkv, d), jnp.float32), pltpu.VMEM((hkv, bkv, d), jnp.float32),
+         pltpu.VMEM((bkv * hkv, d), jnp.float32)],
+        q_seg, kv_seg)
