@@ -152,10 +152,13 @@ def test_halves_to_rows_reads_the_word_halves_as_tpu_packs_them():
                                   expected[1::2])
 
 
+# Default run: the bfloat16 GQA case; --full adds float32 with segments and MQA (the pass rule in
+# tests/ops/test_attention.py covers the rows kernels in both tiers).
 @pytest.mark.parametrize("case,dtype", [
     (C(2, 300, 300, 4, 2, 128, causal=True), jnp.bfloat16),
-    (C(1, 200, 330, 3, 1, 128, causal=True, segments="pair"), jnp.float32),
-    (C(1, 130, 260, 2, 1, 128), jnp.bfloat16),
+    pytest.param(C(1, 200, 330, 3, 1, 128, causal=True, segments="pair"), jnp.float32,
+                 marks=pytest.mark.full),
+    pytest.param(C(1, 130, 260, 2, 1, 128), jnp.bfloat16, marks=pytest.mark.full),
 ])
 def test_rows_kernels_equal_the_head_major_kernels(case, dtype):
     """Same blocks, same arithmetic: with the rows kernels (forward and backward) the outputs and

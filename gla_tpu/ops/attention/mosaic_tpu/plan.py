@@ -143,7 +143,7 @@ class KernelConfig:
     block_kv_dq: int
     block_q_dkv: int
     block_kv_dkv: int
-    vmem_limit_bytes: int | None  # the backward's kernels (and the head-major forward's)
+    vmem_limit_bytes: int | None  # the head-major kernels' (BlockSizes.vmem_limit_bytes)
     forward_vmem_limit_bytes: int | None  # the forward's: raised for the rows forward
     row_sum_on_mxu: bool  # forward: l from p @ [ones | v] (BlockSizes.row_sum_on_mxu)
     forward_reads_rows: bool  # forward on the API's layout (BlockSizes.forward_reads_rows)
@@ -277,7 +277,8 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
 
 
 def _rows_apply(problem) -> bool:
-    """Whether `kernels.flash_forward_rows` takes the problem: rows of 128 lanes (D = 128), and
+    """Whether the rows kernels (`kernels.flash_forward_rows`, ...) take the problem: rows of
+    128 lanes (D = 128), and
     each head's rows readable as strided 32-bit rows (float32; bfloat16 with an even head count,
     read as words of two rows; one head)."""
     if problem.head_dim != LANES:
@@ -289,8 +290,8 @@ def _rows_apply(problem) -> bool:
         h == 1 or h % 2 == 0 for h in (problem.num_heads, problem.num_kv_heads))
 
 
-# The rows forward's blocks are not shrunk below this (to fit VMEM): smaller tiles than the
-# head-major defaults are unmeasured, and there the head-major forward is taken.
+# The rows kernels' blocks are not shrunk below this (to fit VMEM): smaller tiles than the
+# head-major defaults are unmeasured, and there the head-major kernel is taken.
 _ROWS_MIN_BLOCK = 512
 # Chips whose backward reads rows by default: v5e and v5p (128-wide MXUs). On v6e (and 7x, with
 # the same MXUs) libtpu's profiler runs out of VMEM on the rows backward at its 1024-tiles (it
