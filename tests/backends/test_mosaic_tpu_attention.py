@@ -105,7 +105,8 @@ def test_forward_reads_rows_where_it_applies(h, hkv, d, dtype, expected):
         is expected
     assert not kernel_config(problem, BlockSizes(forward_reads_rows=False), True) \
         .forward_reads_rows
-    assert not kernel_config(problem, None, True, rows_forward=False).forward_reads_rows
+    ring_block = kernel_config(problem, None, True, rows_kernels=False)
+    assert not (ring_block.forward_reads_rows or ring_block.backward_reads_rows)
     assert kernel_config(problem, None, True).backward_reads_rows is expected
     assert not kernel_config(problem, BlockSizes(backward_reads_rows=False), True) \
         .backward_reads_rows

@@ -77,7 +77,7 @@ def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
 def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
     """o [B, T, H, D] float32 over this block's keys and lse [B, H, T] float32 (-inf for a row
     that sees no key of the block); as `xla.attention_block`."""
-    cfg = kernel_config(problem, block_sizes, interpret, rows_forward=False)
+    cfg = kernel_config(problem, block_sizes, interpret, rows_kernels=False)
     q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
     o, lse = kernels.flash_forward(cfg, _head_major(q, cfg.q_len_padded),
                                    _head_major(k, cfg.kv_len_padded),
@@ -92,7 +92,7 @@ def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv
                           block_sizes, interpret):
     """This block's float32 dq [B, T, H, D], dk, dv [B, S, Hkv, D] given the whole attention's
     lse and delta [B, H, T]; as `xla.attention_block_grads`."""
-    cfg = kernel_config(problem, block_sizes, interpret)
+    cfg = kernel_config(problem, block_sizes, interpret, rows_kernels=False)
     q_seg, kv_seg = _segments(problem, q_segment_ids, kv_segment_ids, cfg)
     tp, sp = cfg.q_len_padded, cfg.kv_len_padded
     qh, doh = _head_major(q, tp), _head_major(do, tp)

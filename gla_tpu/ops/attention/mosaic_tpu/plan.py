@@ -201,9 +201,9 @@ def _row_sum_on_mxu(requested: bool | None, dtype, head_dim: int, info) -> bool:
 
 
 def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
-                  rows_forward: bool = True) -> KernelConfig:
+                  rows_kernels: bool = True) -> KernelConfig:
     """Resolves block sizes against the problem (clamping to short sequences) and pads lengths.
-    rows_forward=False keeps the forward head-major (ring attention's blocks)."""
+    rows_kernels=False keeps every kernel head-major (ring attention's blocks)."""
     bs = block_sizes
     info = None if interpret else target_tpu_info()
     mxu_width = None if info is None else info.mxu_column_size
@@ -218,7 +218,7 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         bkc = bkv
     row_sums = _row_sum_on_mxu(bs.row_sum_on_mxu, problem.dtype, problem.head_dim, info)
     vmem_limit = bs.vmem_limit_bytes
-    applies = rows_forward and _rows_apply(problem)
+    applies = rows_kernels and _rows_apply(problem)
     reads_rows = applies and bs.forward_reads_rows is not False
     back_rows = reads_rows and bs.backward_reads_rows is not False
     # The rows kernels hold every head's blocks: their tiles are halved until they fit VMEM.
