@@ -52,7 +52,7 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     cols,
     head_major_gates,
     iota,
-    level_operands,
+    level_operand,
     level_pairs,
     level_range,
     load_gate_parts,
@@ -162,36 +162,38 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         ranges = bpool.at[3]
         set_ranges(ranges, prefix_range(c), c, interpret=interpret)  # after the products above
         q_f, k_f = (plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32) for ref in (q_s, k_s))
-        q_inter = q_inter * (jnp.exp(range_sums(ranges, parts, 0, interpret=interpret)) * scale)
+        q_inter = q_inter * (jnp.exp2(range_sums(ranges, parts, 0, interpret=interpret)) * scale)
         grad_q = q_inter + diag * k_f
         cancel = q_f * q_inter  # Dq's inter part
         set_ranges(ranges, suffix_range(c), c, interpret=interpret)
-        k_inter = k_inter * jnp.exp(range_sums(ranges, parts, 0, interpret=interpret))
+        k_inter = k_inter * jnp.exp2(range_sums(ranges, parts, 0, interpret=interpret))
         grad_k = k_inter + diag * q_f
         y_parts = [bpool.at[i] for i in range(3)]  # Y = k dk_inter, summed over s < t at the end
         store_parts(k_f * k_inter, y_parts)
 
         # the levels: one factor, one masked dA_L, a product for each side
-        da_level, q_ops, k_ops = pool.at[0], pool.at[1], pool.at[2]
+        da_level, ops = pool.at[0], pool.at[1]
 
         def level_step(level, carry):
             grad_q, grad_k, cancel = carry
             # after the last level's wgmmas, which read the pool
             set_ranges(ranges, level_range(level, c), c, interpret=interpret)
-            factor = jnp.exp(range_sums(ranges, parts, 0, interpret=interpret))
-            q_op, k_op = level_operands(load_slab(q_s, 0), load_slab(k_s, 0), factor,
-                                        upper_rows(level, shape), dtype)
-            q_ops[...] = q_op
-            k_ops[...] = k_op
+            factor = jnp.exp2(range_sums(ranges, parts, 0, interpret=interpret))
+            # X: q F_L on upper rows, k F_L on lower rows (level_operand)
+            op = level_operand(load_slab(q_s, 0), load_slab(k_s, 0), factor,
+                               upper_rows(level, shape), dtype)
+            ops[...] = op
             da16 = plgpu.load(da_s, layout=plgpu.Layout.WGMMA)
             da_level[...] = jnp.where(level_pairs(level, c), da16, jnp.zeros_like(da16))
             plgpu.commit_smem()
-            prod = matmul([(da_level, k_ops)], shape, interpret=interpret)
-            grad_q = grad_q + factor * prod
-            cancel = cancel + q_op.astype(F32) * prod
-            prod = matmul([(T(da_level), q_ops)], shape, interpret=interpret)
-            grad_k = grad_k + factor * prod
-            cancel = cancel - k_op.astype(F32) * prod
+            # dA_L has the level's pairs only (upper rows r, lower columns x): dA_L X reads X's
+            # lower rows (k F_L) and is 0 off the upper rows, dA_L^T X the reverse; so X
+            # weights each side's Dq / Dk terms with that side's own rounded operand
+            to_q = matmul([(da_level, ops)], shape, interpret=interpret)
+            to_k = matmul([(T(da_level), ops)], shape, interpret=interpret)
+            grad_q = grad_q + factor * to_q
+            grad_k = grad_k + factor * to_k
+            cancel = cancel + op.astype(F32) * (to_q - to_k)
             return grad_q, grad_k, cancel
 
         grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))

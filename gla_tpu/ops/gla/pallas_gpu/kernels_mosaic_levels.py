@@ -12,8 +12,9 @@ lower rows (m the separator), b_t = g summed over [0, t], b_last - b_t over (t, 
 product on the tensor cores, E = R g, with R a [C, C] 0/1 range matrix built from the row index
 (and the level, a loop index: one loop body serves the six levels, which keeps the code within
 the instruction cache) and g in two bfloat16 parts (16 significand bits: an exponent E is off by
-at most 2^-17 |E|, a relative 2e-4 on any weight above e^-30). The kernels take the gates g
-themselves: no cumulative sum precedes them.
+at most 2^-17 |E|, a relative 2e-4 on any weight above e^-30). The parts hold g log2(e), so every
+weight is one exp2 of a range sum (exp would add a multiply per element). The kernels take the
+gates g themselves: no cumulative sum precedes them.
 
 `prep` writes, from q, k [C, K] and the gates g of a chunk,
 
@@ -45,6 +46,8 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+LOG2E = 1.4426950408889634  # the gate parts hold g * LOG2E: range sums are base-2 exponents
+LN2 = 0.6931471805599453
 # Lane semantics: shared-memory buffers keep exactly the transforms given here
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
                                        lowering_semantics=plgpu.LoweringSemantics.Lane)
@@ -181,27 +184,23 @@ def set_ranges(ranges_smem, bounds, chunk: int, *, interpret: bool):
 
 
 def level_pairs(level, chunk: int):
-    """[C, C] bool: the pairs (r, x) of level L (r upper, x lower, one block)."""
+    """[C, C] bool: the pairs (r, x) of level L (r upper, x lower, one block), one compare per
+    element: r >> L is 2 B + 1 on the upper half of block B and x >> L is 2 B on its lower half,
+    so with u_r = (r >> L) - 1 on upper rows (-1, matching no column, elsewhere) the pairs are
+    u_r == x >> L."""
     r, x = row_index(chunk), col_index(chunk)
     shape = (chunk, chunk)
-    block_r = rows(r >> (level + 1), shape)
-    block_x = cols(x >> (level + 1), shape)
-    upper = jnp.logical_and(rows(is_upper(r, level), shape) == 1,
-                            cols(is_upper(x, level), shape) == 0)
-    return jnp.logical_and(block_r == block_x, upper)
-
-
-def upper_rows(level, shape):
-    """[C, W] bool: the rows of the level's upper halves."""
-    return rows(is_upper(row_index(shape[0]), level), shape) == 1
+    u = jnp.where(is_upper(r, level) == 1, (r >> level) - 1, r - r - 1)
+    return rows(u, shape) == cols(x >> level, shape)
 
 
 def store_gate_parts(g_view, parts, slabs: int):
-    """A chunk's gates into parts [GATE_PARTS, slabs, C, SLAB] bfloat16 (hi, then the rest),
-    through registers. g_view: per-key gates [C, slabs * SLAB] (a float32 view of global memory),
-    or per-head gates [C] (a float32 vector in shared memory), the same gate for every key."""
+    """A chunk's gates, times LOG2E, into parts [GATE_PARTS, slabs, C, SLAB] bfloat16 (hi, then
+    the rest), through registers. g_view: per-key gates [C, slabs * SLAB] (a float32 view of global
+    memory), or per-head gates [C] (a float32 vector in shared memory), the same gate for every
+    key."""
     if len(g_view.shape) == 1:
-        g = rows(plgpu.load(g_view, layout=ROW), (CHUNK, SLAB))
+        g = rows(plgpu.load(g_view, layout=ROW) * LOG2E, (CHUNK, SLAB))
         hi = g.astype(BF16)
         rest = (g - hi.astype(F32)).astype(BF16)
         for slab in range(slabs):
@@ -209,7 +208,8 @@ def store_gate_parts(g_view, parts, slabs: int):
             parts.at[1, slab][...] = rest
         return
     for slab in range(slabs):
-        g = plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA, optimized=False)
+        g = plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA,
+                       optimized=False) * LOG2E
         hi = g.astype(BF16)
         parts.at[0, slab][...] = hi
         parts.at[1, slab][...] = (g - hi.astype(F32)).astype(BF16)
@@ -238,16 +238,24 @@ def head_major_gates(g):
 
 
 def range_sums(ranges_smem, parts, slab: int, *, interpret: bool):
-    """[C, SLAB] float32: R @ g for R in ranges_smem ([C, C], committed) and the slab's gates."""
+    """[C, SLAB] float32: R @ g log2(e) (a base-2 exponent) for R in ranges_smem ([C, C],
+    committed) and the slab's gates."""
     return matmul([(ranges_smem, parts.at[p, slab]) for p in range(GATE_PARTS)],
                   (CHUNK, SLAB), interpret=interpret)
 
 
-def level_operands(q, k, factor, upper, dtype):
-    """(q F_L on the level's upper rows, k F_L on its lower rows), zero elsewhere, in dtype."""
-    zero = full(q.shape, 0.0)
-    return (jnp.where(upper, q * factor, zero).astype(dtype),
-            jnp.where(upper, zero, k * factor).astype(dtype))
+def upper_rows(level, shape):
+    """[C, W] bool: the rows of the level's upper halves."""
+    return rows(is_upper(row_index(shape[0]), level) == 1, shape)
+
+
+def level_operand(q, k, factor, upper, dtype):
+    """X = q F_L on the level's upper rows and k F_L on its lower rows, in dtype: one operand for
+    both sides of the level's products. A level pair joins an upper row r (its q) and a lower
+    row x (its k), so X X^T holds every pair's (q_r F_r) . (k_x F_x), and the products are
+    masked to the level's pairs (`level_pairs`) afterwards; X's other pairs are finite (F_L <= 1
+    on every row: its exponent is a sum of gates), which the mask needs."""
+    return (jnp.where(upper, q, k) * factor).astype(dtype)
 
 
 def prep(q, k, g, *, scale: float, interpret):
@@ -274,17 +282,17 @@ def prep(q, k, g, *, scale: float, interpret):
         def level_step(level, scores):
             # after the last level's wgmmas, which read `ranges` and `kops`
             set_ranges(ranges, level_range(level, c), c, interpret=interpret)
-            q_ops = []
+            ops = []
             for slab in range(slabs):
-                factor = jnp.exp(range_sums(ranges, parts, slab, interpret=interpret))
-                q_op, k_op = level_operands(load_slab(q_smem, slab), load_slab(k_smem, slab),
-                                            factor, upper_rows(level, factor.shape), dtype)
-                kops.at[slab][...] = k_op
-                q_ops.append(q_op)
+                factor = jnp.exp2(range_sums(ranges, parts, slab, interpret=interpret))
+                op = level_operand(load_slab(q_smem, slab), load_slab(k_smem, slab), factor,
+                                   upper_rows(level, factor.shape), dtype)
+                kops.at[slab][...] = op
+                ops.append(op)
             plgpu.commit_smem()
-            part = matmul([(q_ops[s], T(kops.at[s])) for s in range(slabs)], (c, c),
+            part = matmul([(ops[s], T(kops.at[s])) for s in range(slabs)], (c, c),
                           interpret=interpret)
-            return scores + jnp.where(level_pairs(level, c), part, 0.0)
+            return jnp.where(level_pairs(level, c), part, scores)  # each pair has one level
 
         scores = lax.fori_loop(0, levels, level_step, full((c, c), 0.0))
         diag = None
@@ -299,10 +307,10 @@ def prep(q, k, g, *, scale: float, interpret):
         for slab in range(slabs):
             b = range_sums(ranges, parts, slab, interpret=interpret)
             span = pl.ds(slab * SLAB, SLAB)
-            qd = load_slab(q_smem, slab) * (jnp.exp(b) * scale)
+            qd = load_slab(q_smem, slab) * (jnp.exp2(b) * scale)
             if slab:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slab's row is out
-            stage[...] = b
+            stage[...] = b * LN2
             q_smem.at[:, span][...] = qd.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, chunk, head, span])
@@ -310,7 +318,7 @@ def prep(q, k, g, *, scale: float, interpret):
         for slab in range(slabs):
             rest = range_sums(ranges, parts, slab, interpret=interpret)
             span = pl.ds(slab * SLAB, SLAB)
-            k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp(rest)).astype(dtype)
+            k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp2(rest)).astype(dtype)
         kops.at[0][...] = scores.astype(dtype)  # A (C = SLAB)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(kops.at[0], a_ref.at[tokens])
@@ -323,7 +331,7 @@ def prep(q, k, g, *, scale: float, interpret):
         plgpu.SMEM((c, kd), dtype, transforms=SWIZZLED),  # k, then kd
         plgpu.SMEM((GATE_PARTS, slabs, c, SLAB), BF16, transforms=SWIZZLED),  # g's parts
         plgpu.SMEM((c, c), BF16, transforms=SWIZZLED),  # a range matrix
-        plgpu.SMEM((slabs, c, SLAB), dtype, transforms=SWIZZLED),  # a level's key operands; A
+        plgpu.SMEM((slabs, c, SLAB), dtype, transforms=SWIZZLED),  # a level's operand X; A
         plgpu.SMEM((c, SLAB), F32),  # b of a slab (its last row goes out)
         plgpu.Barrier(num_arrivals=3 if per_head else 2),  # q, k (, per-head gates)
     ]
