@@ -412,18 +412,18 @@ def flash_forward_rows(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
     seg_specs = [pl.BlockSpec(spec.block_shape, functools.partial(
         lambda index_map, bi, i, j: index_map(bi, 0, i, j), spec.index_map))
         for spec in seg_specs]
-    rows = lambda x: x.reshape(b, -1, d)  # noqa: E731  [B, N * Hx, 128]: a free reshape
     in_specs = [
         pl.BlockSpec((1, bq * h, d), q_map),
         pl.BlockSpec((1, bkv * hkv, d), kv_map),
         pl.BlockSpec((1, bkv * hkv, d), kv_map),
     ]
-    o_out = [jax.ShapeDtypeStruct((b, tp * h, d), q.dtype), pl.BlockSpec((1, bq * h, d), q_map)]
+    o_out = [jax.ShapeDtypeStruct(_rows_view(q).shape, q.dtype),
+             pl.BlockSpec((1, bq * h, d), q_map)]
     lse_spec = pl.BlockSpec((None, h, 1, bq), lambda bi, i, j: (bi, 0, 0, i))
     scratch = _forward_scratch(cfg, (h,), v.dtype)
     scratch.append(pltpu.VMEM((bq * h, d), jnp.float32))  # o of every head, token-major
-    o, lse = _forward_call(cfg, _fwd_rows_kernel, grid, [rows(q), rows(k), rows(v)], in_specs,
-                           seg_specs, o_out, lse_spec, scratch,
+    o, lse = _forward_call(cfg, _fwd_rows_kernel, grid, [_rows_view(x) for x in (q, k, v)],
+                           in_specs, seg_specs, o_out, lse_spec, scratch,
                            ("parallel", "parallel", "arbitrary"), q_seg, kv_seg)
     return o.reshape(b, tp, h, d), lse
 
