@@ -9,6 +9,7 @@ that runs each kernel once for a profiler (ncu). GPU only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import jax
@@ -21,39 +22,47 @@ from bench.harness import environment
 from gla_tpu.ops.common.flops import gla_flops
 from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_grads, kernels_mosaic_levels, \
     kernels_mosaic_state
+from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_GROUP_KEYS
 from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING
 
 
-def kernel_stages(scale):
-    """name -> (function, names of its arguments), in the order the forward and backward run."""
+def kernel_stages(scale, groups=1):
+    """name -> (function, names of its arguments), in the order the forward and backward run;
+    `groups` groups of keys as virtual heads (plan.ChunkGeometry.key_groups), as ops.gla runs
+    K above 128."""
     sp = kernels_mosaic_state.state_pass
+    inference, training, reversed_ = (dataclasses.replace(p, groups=groups)
+                                      for p in (_INFERENCE, _TRAINING, _REVERSED))
     return {
         "prep": (lambda q, k, g: kernels_mosaic_levels.prep(q, k, g, scale=scale, interpret=False),
                  ("q", "k", "g")),
         "state_inference": (lambda kd, v, last, qd, a: sp(kd, v, last, None, w=qd, a=a,
-                                                          p=_INFERENCE, interpret=False),
+                                                          p=inference, interpret=False),
                             ("kd", "v", "last", "qd", "a")),
         "state_training": (lambda kd, v, last, qd, a: sp(kd, v, last, None, w=qd, a=a,
-                                                         p=_TRAINING, interpret=False),
+                                                         p=training, interpret=False),
                            ("kd", "v", "last", "qd", "a")),
         "state_reversed": (lambda qd, do, last, kd, a, h_hi, h_lo: sp(
-            qd, do, last, None, w=kd, a=a, h_parts=(h_hi, h_lo), p=_REVERSED, interpret=False),
+            qd, do, last, None, w=kd, a=a, h_parts=(h_hi, h_lo), p=reversed_, interpret=False),
             ("qd", "do", "last", "kd", "a", "h_hi", "h_lo")),
         "grads": (lambda q, k, v, do, g, last, h_hi, dh, term: kernels_mosaic_grads.chunk_grads(
-            q, k, v, do, g, last, h_hi, dh, term, scale=scale, interpret=False),
+            q, k, v, do, g, last, h_hi, dh, term, scale=scale, interpret=False, groups=groups),
             ("q", "k", "v", "do", "g", "last", "h_hi", "dh", "term")),
     }
 
 
 def kernel_operands(shape, gate, seed=0):
-    """Every operand the stages take, from one draw (q, k, v, do ~ N(0, 1), g from GATES)."""
+    """Every operand the stages take, from one draw (q, k, v, do ~ N(0, 1), g from GATES); K
+    above 128 as groups of 128 keys, virtual heads (q, k and g reshaped, as ops.gla does)."""
     b_, t, h, kd, vd = shape
+    groups = max(1, kd // MOSAIC_GROUP_KEYS)
     rng = np.random.default_rng(seed)
     q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
+    q, k, g = (x.reshape(b_, t, h * groups, kd // groups) for x in (q, k, g))
     env = {"q": jnp.asarray(q, jnp.bfloat16), "k": jnp.asarray(k, jnp.bfloat16),
            "v": jnp.asarray(v, jnp.bfloat16), "g": jnp.asarray(g),
            "do": jnp.asarray(rng.standard_normal(v.shape, np.float32), jnp.bfloat16)}
-    stages = kernel_stages(kd ** -0.5)
+    stages = kernel_stages(kd ** -0.5, groups)
     env["a"], env["qd"], env["kd"], env["last"] = jax.jit(stages["prep"][0])(
         env["q"], env["k"], env["g"])
     _, env["h_hi"], env["h_lo"], _ = jax.jit(stages["state_training"][0])(
