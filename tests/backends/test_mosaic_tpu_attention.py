@@ -114,10 +114,11 @@ def test_forward_reads_rows_where_it_applies(h, hkv, d, dtype, expected):
         .backward_reads_rows  # the backward reads what the forward saved
 
 
-def test_bad_forward_reads_rows_raises_value_error():
-    with pytest.raises(ValueError, match="BlockSizes.forward_reads_rows must be None, True or "
-                                         "False; got 'yes'"):
-        BlockSizes(forward_reads_rows="yes")
+@pytest.mark.parametrize("name", ["forward_reads_rows", "backward_reads_rows"])
+def test_bad_reads_rows_raises_value_error(name):
+    with pytest.raises(ValueError, match=f"BlockSizes.{name} must be None, True or False; "
+                                         "got 'yes'"):
+        BlockSizes(**{name: "yes"})
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dq", "dkv"])

@@ -34,9 +34,11 @@ def test_scores_by_levels_match_the_direct_decay(strength):
     q = jax.random.normal(kq, (2, 64, 32), jnp.float32)
     k = jax.random.normal(kk, (2, 64, 32), jnp.float32)
     b = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(kg, (2, 64, 32))) / strength, axis=1)
-    got = pair_levels.scores_by_levels(q, k, b, jnp.float32)
-    decay = jnp.exp(jnp.minimum(b[:, :, None, :] - b[:, None, :, :], 0.0))  # [2, r, x, K]
-    direct = jnp.einsum("brc,bxc,brxc->brx", q, k, decay) * jnp.tril(jnp.ones((1, 64, 64)))
+    # float32 products on every platform (a GPU's default is TF32)
+    with jax.default_matmul_precision("highest"):
+        got = pair_levels.scores_by_levels(q, k, b, jnp.float32)
+        decay = jnp.exp(jnp.minimum(b[:, :, None, :] - b[:, None, :, :], 0.0))  # [2, r, x, K]
+        direct = jnp.einsum("brc,bxc,brxc->brx", q, k, decay) * jnp.tril(jnp.ones((1, 64, 64)))
     assert bool(jnp.all(jnp.isfinite(got)))
     np.testing.assert_allclose(got, direct, rtol=1e-4, atol=1e-4)
 

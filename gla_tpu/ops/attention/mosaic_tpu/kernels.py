@@ -733,18 +733,20 @@ def _rows_backward_call(cfg, kind, kernel, grid, q_side_map, kv_side_map, semant
     h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
     bq, bkv = (cfg.block_q_dq, cfg.block_kv_dq) if kind == "dq" else (cfg.block_q_dkv,
                                                                           cfg.block_kv_dkv)
-    q_rows = lambda *g: (q_side_map(*g)[0], q_side_map(*g)[1], 0)  # noqa: E731
-    kv_rows = lambda *g: (kv_side_map(*g)[0], kv_side_map(*g)[1], 0)  # noqa: E731
+    def placed(side_map, place):  # index map: place(b, block) at side_map's (b, block)
+        return lambda *g: place(*side_map(*g))
+
+    q_rows = placed(q_side_map, lambda b, block: (b, block, 0))
+    kv_rows = placed(kv_side_map, lambda b, block: (b, block, 0))
     in_specs = [pl.BlockSpec((1, bq * h, d), q_rows), pl.BlockSpec((1, bkv * hkv, d), kv_rows),
                 pl.BlockSpec((1, bkv * hkv, d), kv_rows), pl.BlockSpec((1, bq * h, d), q_rows)]
     in_specs += [pl.BlockSpec((None, h, 1, bq),
-                              lambda *g: (q_side_map(*g)[0], 0, 0, q_side_map(*g)[1]))] * 2
+                              placed(q_side_map, lambda b, block: (b, 0, 0, block)))] * 2
     args = [_rows_view(x) for x in (q, k, v, do)] + [lse, di]
     if cfg.has_segments:
-        in_specs += [pl.BlockSpec((None, 1, bq), lambda *g: (q_side_map(*g)[0], 0,
-                                                              q_side_map(*g)[1])),
-                     pl.BlockSpec((None, 1, bkv), lambda *g: (kv_side_map(*g)[0], 0,
-                                                               kv_side_map(*g)[1]))]
+        in_specs += [pl.BlockSpec((None, 1, bq), placed(q_side_map, lambda b, block: (b, 0, block))),
+                     pl.BlockSpec((None, 1, bkv),
+                                  placed(kv_side_map, lambda b, block: (b, 0, block)))]
         args += [q_seg, kv_seg]
     out_shape = [jax.ShapeDtypeStruct(_rows_view(x).shape, x.dtype) for x, _ in outs]
     out_specs = [pl.BlockSpec((1, block * x.shape[2], d), q_rows if kind == "dq" else kv_rows)
