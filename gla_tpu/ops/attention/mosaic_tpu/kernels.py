@@ -733,6 +733,7 @@ def _rows_backward_call(cfg, kind, kernel, grid, q_side_map, kv_side_map, semant
     h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
     bq, bkv = (cfg.block_q_dq, cfg.block_kv_dq) if kind == "dq" else (cfg.block_q_dkv,
                                                                           cfg.block_kv_dkv)
+
     def placed(side_map, place):  # index map: place(b, block) at side_map's (b, block)
         return lambda *g: place(*side_map(*g))
 
@@ -744,7 +745,8 @@ def _rows_backward_call(cfg, kind, kernel, grid, q_side_map, kv_side_map, semant
                               placed(q_side_map, lambda b, block: (b, 0, 0, block)))] * 2
     args = [_rows_view(x) for x in (q, k, v, do)] + [lse, di]
     if cfg.has_segments:
-        in_specs += [pl.BlockSpec((None, 1, bq), placed(q_side_map, lambda b, block: (b, 0, block))),
+        in_specs += [pl.BlockSpec((None, 1, bq),
+                                  placed(q_side_map, lambda b, block: (b, 0, block))),
                      pl.BlockSpec((None, 1, bkv),
                                   placed(kv_side_map, lambda b, block: (b, 0, block)))]
         args += [q_seg, kv_seg]
