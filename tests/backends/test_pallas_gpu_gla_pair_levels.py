@@ -46,8 +46,10 @@ def test_scores_by_levels_match_the_direct_decay(strength):
 # Interpret mode runs the three kernels (prep, the state pass both ways, dq/dk/dg) with jnp.dot
 # for the tensor-core products: a partial last chunk, an initial state, two value tiles and very
 # strong gates (about -800 a token) in bfloat16; K 128 with fla's draw in float16; V = 200
-# (padded to 256: four value tiles, twice round the dq/dk/dg kernel's ring of two); K = 200
-# (padded to 256: two groups of keys as virtual heads, outputs and dv summed over them).
+# (padded to 256: four value tiles, twice round the dq/dk/dg kernel's ring of two); K = 300
+# (padded to 384: three groups of keys as virtual heads, whose outputs and dv the state passes
+# sum, the middle group reading and writing the partial sum) with two heads and two value tiles;
+# K = 200 (two groups).
 @pytest.mark.parametrize("case,dtype", [
     (GLACase(1, 130, 2, 64, 128, gate="key", gate_strength=1e-3, initial_state=True),
      jnp.bfloat16),
@@ -56,8 +58,10 @@ def test_scores_by_levels_match_the_direct_decay(strength):
                  marks=pytest.mark.full),
     pytest.param(GLACase(1, 70, 1, 64, 200, gate="key", initial_state=True), jnp.bfloat16,
                  marks=pytest.mark.full),
-    (GLACase(1, 70, 1, 200, 64, gate="key", gate_strength=16.0, initial_state=True),
+    (GLACase(1, 70, 2, 300, 128, gate="key", gate_strength=16.0, initial_state=True),
      jnp.bfloat16),
+    pytest.param(GLACase(1, 70, 1, 200, 64, gate="key", gate_strength=16.0, initial_state=True),
+                 jnp.bfloat16, marks=pytest.mark.full),
 ], ids=str)
 def test_interpret_parity(case, dtype):
     check_gla_parity(case, jax.random.key(5), dtype=dtype, backend="pallas_gpu", interpret=True,
@@ -92,9 +96,10 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
 
 # The state passes split in time (segments of T side by side, a scan of their states between the
 # two passes), forward and reversed, with an initial state, a partial last segment of T and
-# segment_ids (reset gates: the scan sees decays of exactly 0).
+# segment_ids (reset gates: the scan sees decays of exactly 0); K = 200, two groups of keys, so
+# the states-only pass walks them too.
 def test_interpret_parity_time_splits():
-    case = GLACase(1, 300, 1, 64, 64, gate="key", gate_strength=16.0, initial_state=True,
+    case = GLACase(1, 300, 1, 200, 64, gate="key", gate_strength=16.0, initial_state=True,
                    segments=True)
     check_gla_parity(case, jax.random.key(8), dtype=jnp.bfloat16, backend="pallas_gpu",
                      interpret=True,

@@ -41,6 +41,9 @@ SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # the same with a 64-byte swizzle, for a wgmma operand whose contraction (rows) is only 32 long:
 # wgmma contracts a swizzled operand in groups of swizzle / 2 elements
 SWIZZLED_64 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+# float32 tiles in 128-byte rows: (8, 32) tiles, 128-byte swizzle (fewer bank conflicts than
+# plain rows for the wgmma accumulator's layout)
+SWIZZLED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def release_step(slot, ready, free) -> None:

@@ -16,6 +16,13 @@ state after chunk n (stored as one 16-bit part); it also sums the state term of 
 sum_V h_n dh_{n+1} [K], from the forward's two parts. The loop ends on the final state (forward)
 or d initial_state (reversed), float32. w S takes S in its two 16-bit parts, so the inter-chunk
 product keeps float32 accuracy.
+
+K above 128 runs as G groups of 128 keys (virtual heads; the state is separable by key, out is
+the sum of the groups' outs). One block walks its head's groups one after another, each over all
+chunks: group g adds its out to the float32 sum of the groups before it, which group g - 1 wrote
+to a scratch output and TMA reads back, and the last group writes the sum in y's dtype. So no
+float32 partial outputs per group leave the kernel for XLA to add (docs/gpu_backend.md, "Key
+groups summed in the state passes").
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, ring_producer
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_F32, ring_producer
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     COMPILER_PARAMS,
     F32,
@@ -52,29 +59,36 @@ class Pass:
     state_term: bool  # sum_V h_n S per chunk from the forward's stored parts (reverse only)
     chunk: int = 64
     stages: int = 2
-    # key groups: x, w, decay, the states and out run over H * groups virtual heads of K / groups
-    # keys each, y over the H heads (head // groups); out is then float32, one partial sum per
-    # group, summed by the caller (vjp.py)
+    # key groups: x, w, decay and the states run over H * groups virtual heads of K / groups
+    # keys each, y and out over the H heads; one block walks a head's groups in turn and sums
+    # their outputs (state_pass)
     groups: int = 1
 
 
 def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interpret):
-    """x [B, Tp, H, K], y [B, Tp, H, V] (16-bit), decay [B, N, H, K] float32 (b_last per chunk),
-    s0 [B, H, K, V] float32 or None, w [B, Tp, H, K] and a [B, Tp, H, C] (p.outputs), h_parts
-    (two [B, N, H, K, V] 16-bit arrays, p.state_term). Every per-chunk array is chunk-major, so
-    that segments of T fold into the batch by reshapes (vjp.py).
+    """x [B, Tp, H, K], y [B, Tp, H / G, V] (16-bit), decay [B, N, H, K] float32 (b_last per
+    chunk), s0 [B, H, K, V] float32 or None, w [B, Tp, H, K] and a [B, Tp, H, C] (p.outputs),
+    h_parts (two [B, N, H, K, V] 16-bit arrays, p.state_term); H counts virtual heads, G =
+    p.groups per head of y. Every per-chunk array is chunk-major, so that segments of T fold into
+    the batch by reshapes (vjp.py).
 
-    Returns, in this order, what `p` asks for: out [B, Tp, H, V] (outputs), the stored parts of S
-    per chunk ([B, N, H, K, V] each), the state term [B, N, H, V / BLOCK_V, K] float32 (per value
-    tile; the caller sums the tiles), and the last state [B, H, K, V] float32."""
+    Returns, in this order, what `p` asks for: out [B, Tp, H / G, V] in y's dtype (outputs), the
+    stored parts of S per chunk ([B, N, H, K, V] each), the state term [B, N, H, V / BLOCK_V, K]
+    float32 (per value tile; the caller sums the tiles), and the last state [B, H, K, V]
+    float32."""
     bsz, tp, h, kd = x.shape
     vd = y.shape[-1]
-    c, stages, dtype = p.chunk, p.stages, x.dtype
+    c, stages, dtype, groups = p.chunk, p.stages, x.dtype, p.groups
     n = tp // c
     if tp % c or vd % BLOCK_V:
         raise ValueError(f"padded T={tp} and V={vd} must be multiples of {c}, {BLOCK_V}")
+    if h % groups or y.shape[2] * groups != h:
+        raise ValueError(f"x's {h} virtual heads must be y's {y.shape[2]} heads x {groups} groups")
     has_s0 = s0 is not None
-    out_dtype = F32 if p.groups > 1 else dtype
+    # a block walks its head's key groups one after another; each group's out is added to the
+    # float32 partial sum of the groups before it (`partial`, an output read back by TMA), and the
+    # last group writes the sum in y's dtype
+    summed = p.outputs and groups > 1
 
     def body(*refs):
         refs = list(refs)
@@ -84,6 +98,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         w_ref, a_ref = (refs.pop(0), refs.pop(0)) if p.outputs else (None, None)
         hp_refs = (refs.pop(0), refs.pop(0)) if p.state_term else None
         o_ref = refs.pop(0) if p.outputs else None
+        partial_ref = refs.pop(0) if summed else None
         part_refs = [refs.pop(0) for _ in range(p.store_parts)]
         term_ref = refs.pop(0) if p.state_term else None
         last_ref = refs.pop(0)
@@ -94,22 +109,51 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         def chunk_index(i):
             return n - 1 - i if p.reverse else i
 
-        @pl.when(wg == 0)
-        def _():
-            plgpu.set_max_registers(232, action="increase")
+        def store_out(o, group, chunk):
+            """o [C, BLOCK_V] float32 of one group -> out (the last group) or the partial sum."""
+            tokens = (batch, pl.ds(chunk * c, c), head, vcols)
+            if not summed:
+                scratch["o"][...] = o.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(scratch["o"], o_ref.at[tokens], commit_group=False)
+                return
+            pl.when(group > 0)(lambda: plgpu.barrier_wait(scratch["partial_ready"]))
+            # loaded at the step's start (not for group 0)
+            before = plgpu.load(scratch["partial"], layout=plgpu.Layout.WGMMA)
+            o = o + jnp.where(group > 0, before, 0.0)
+
+            @pl.when(group < groups - 1)
+            def _():
+                scratch["partial"][...] = o
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(scratch["partial"], partial_ref.at[tokens],
+                                        commit_group=False)
+
+            @pl.when(group == groups - 1)
+            def _():
+                scratch["o"][...] = o.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(scratch["o"], o_ref.at[tokens], commit_group=False)
+
+        def run_group(group):
+            vhead = head * groups + group
             if has_s0:
-                state = plgpu.load(s0_ref.at[batch, head, :, vcols], layout=plgpu.Layout.WGMMA,
+                state = plgpu.load(s0_ref.at[batch, vhead, :, vcols], layout=plgpu.Layout.WGMMA,
                                    optimized=False)
             else:
                 state = full((kd, BLOCK_V), 0.0)
 
             def step(i, state):
-                slot = lax.rem(i, jnp.int32(stages))
+                slot = lax.rem(group * n + i, jnp.int32(stages))
                 chunk = chunk_index(i)
                 plgpu.barrier_wait(scratch["ready"].at[slot])
                 if p.store_parts or p.outputs or p.state_term:
                     # the previous chunk's stores have read the staging buffers
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if summed:  # the sum of the groups before this one, awaited in store_out
+                    pl.when(group > 0)(lambda: plgpu.copy_gmem_to_smem(
+                        partial_ref.at[batch, pl.ds(chunk * c, c), head, vcols],
+                        scratch["partial"], scratch["partial_ready"]))
                 parts = []
                 if p.store_parts or p.outputs:
                     hi = state.astype(dtype)
@@ -120,7 +164,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                         parts.append(scratch["st_lo"])
                     plgpu.commit_smem()
                 for part, part_ref in zip(parts[:p.store_parts], part_refs):
-                    plgpu.copy_smem_to_gmem(part, part_ref.at[batch, chunk, head, :, vcols],
+                    plgpu.copy_smem_to_gmem(part, part_ref.at[batch, chunk, vhead, :, vcols],
                                             commit_group=False)
                 if p.state_term:
                     h_full = sum(plgpu.load(hp.at[slot], layout=plgpu.Layout.WGMMA).astype(F32)
@@ -128,7 +172,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     scratch["term"][...] = jnp.sum(h_full * state, axis=1)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(scratch["term"],
-                                            term_ref.at[batch, chunk, head, tile],
+                                            term_ref.at[batch, chunk, vhead, tile],
                                             commit_group=False)
                 decay = plgpu.load(scratch["decay"].at[slot], layout=ROW)
                 decayed = state * rows(jnp.exp(decay), state.shape)
@@ -144,40 +188,47 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     plgpu.commit_smem()  # before the TMA unit refills the slot
                 plgpu.barrier_arrive(scratch["free"].at[slot])
                 if p.outputs:
-                    scratch["o"][...] = o.astype(out_dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        scratch["o"],
-                        o_ref.at[batch, pl.ds(chunk * c, c), head, vcols], commit_group=False)
+                    store_out(o, group, chunk)
                 if p.store_parts or p.outputs or p.state_term:
                     plgpu.commit_smem_to_gmem_group()
                 return state
 
             state = lax.fori_loop(0, n, step, state)
+            # every store done: the next group reads the partial sums back
             plgpu.wait_smem_to_gmem(0)
-            last_ref.at[batch, head, :, vcols][...] = state
+            last_ref.at[batch, vhead, :, vcols][...] = state
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+            if groups == 1:
+                run_group(jnp.int32(0))
+            else:
+                lax.fori_loop(0, groups, lambda group, carry: (run_group(group), carry)[1], 0)
 
         @pl.when(wg == 1)
         def _():
             plgpu.set_max_registers(40, action="decrease")
 
             def load(i, slot):
+                group, i = lax.div(i, jnp.int32(n)), lax.rem(i, jnp.int32(n))
+                vhead = head * groups + group
                 chunk = chunk_index(i)
                 tokens = pl.ds(chunk * c, c)
                 ready = scratch["ready"].at[slot]
-                copies = [(x_ref.at[batch, tokens, head], scratch["x"]),
-                          (y_ref.at[batch, tokens, head // p.groups, vcols], scratch["y"]),
-                          (decay_ref.at[batch, chunk, head], scratch["decay"])]
+                copies = [(x_ref.at[batch, tokens, vhead], scratch["x"]),
+                          (y_ref.at[batch, tokens, head, vcols], scratch["y"]),
+                          (decay_ref.at[batch, chunk, vhead], scratch["decay"])]
                 if p.outputs:
-                    copies += [(w_ref.at[batch, tokens, head], scratch["w"]),
-                               (a_ref.at[batch, tokens, head], scratch["a"])]
+                    copies += [(w_ref.at[batch, tokens, vhead], scratch["w"]),
+                               (a_ref.at[batch, tokens, vhead], scratch["a"])]
                 if p.state_term:
-                    copies += [(hp.at[batch, chunk, head, :, vcols], scratch[name])
+                    copies += [(hp.at[batch, chunk, vhead, :, vcols], scratch[name])
                                for hp, name in zip(hp_refs, ("h_hi", "h_lo"))]
                 for src, dst in copies:
                     plgpu.copy_gmem_to_smem(src, dst.at[slot], ready)
 
-            ring_producer(load, steps=n, stages=stages, free=(scratch["free"],))
+            ring_producer(load, steps=groups * n, stages=stages, free=(scratch["free"],))
 
     tiled = dict(transforms=SWIZZLED)
     scratch_types = {
@@ -188,8 +239,10 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     if p.outputs:
         scratch_types["w"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
         scratch_types["a"] = plgpu.SMEM((stages, c, c), dtype, **tiled)
-        scratch_types["o"] = (plgpu.SMEM((c, BLOCK_V), F32) if p.groups > 1 else
-                              plgpu.SMEM((c, BLOCK_V), dtype, **tiled))
+        scratch_types["o"] = plgpu.SMEM((c, BLOCK_V), dtype, **tiled)
+    if summed:
+        scratch_types["partial"] = plgpu.SMEM((c, BLOCK_V), F32, transforms=SWIZZLED_F32)
+        scratch_types["partial_ready"] = plgpu.Barrier()
     if p.state_term:
         for name in ("h_hi", "h_lo"):
             scratch_types[name] = plgpu.SMEM((stages, kd, BLOCK_V), dtype, **tiled)
@@ -203,8 +256,13 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     scratch_types["free"] = plgpu.Barrier(num_barriers=stages)
     scratch_names = list(scratch_types)
 
+    heads = h // groups
     parts_type = jax.ShapeDtypeStruct((bsz, n, h, kd, vd), dtype)
-    out_type = ([jax.ShapeDtypeStruct((bsz, tp, h, vd), out_dtype)] if p.outputs else [])
+    out_type = []
+    if p.outputs:
+        out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), y.dtype))
+    if summed:
+        out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), F32))
     out_type += [parts_type] * p.store_parts
     if p.state_term:
         out_type.append(jax.ShapeDtypeStruct((bsz, n, h, vd // BLOCK_V, kd), F32))
@@ -214,7 +272,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         body,
         out_type=out_type,
         scratch_types=list(scratch_types.values()),
-        grid=(vd // BLOCK_V, h, bsz),
+        grid=(vd // BLOCK_V, heads, bsz),
         grid_names=("value", "head", "batch"),
         num_threads=2,
         thread_name="wg",
@@ -228,4 +286,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     if p.state_term:
         operands += list(h_parts)
     with jax.named_scope(f"{name}_key_dim={kd}"):
-        return kernel(*operands)
+        outs = kernel(*operands)
+    if summed:  # the partial sums are the kernel's scratch
+        outs = [outs[0]] + list(outs[2:])
+    return outs

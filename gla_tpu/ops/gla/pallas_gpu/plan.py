@@ -139,8 +139,10 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
     splits = 1
     groups = max(1, key_dim // MOSAIC_GROUP_KEYS) if mosaic_chunk else 1
     if mosaic_forward or mosaic_chunk:
+        # the state passes' blocks: one per value tile, head and batch row (a block walks the
+        # key groups in turn)
         splits = block_sizes.mosaic_time_splits or mosaic_time_splits(
-            batch * heads * groups * (value_dim // MOSAIC_BLOCK_V), num_chunks)
+            batch * heads * (value_dim // MOSAIC_BLOCK_V), num_chunks)
     return ChunkGeometry(
         chunk=CHUNK, block_k=BLOCK_K, block_v=block_v, key_dim=key_dim,
         value_dim=value_dim, num_chunks=num_chunks, scale=scale,

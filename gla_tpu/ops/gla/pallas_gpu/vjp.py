@@ -110,21 +110,14 @@ def mosaic_chunked(q, k, v, g, s0, geo, interpret):
     """(o [B, Tp, H, V], final state [B, H * G, K / G, V] float32) by the pair-level kernels,
     from inputs padded as for `chunked` (gates float32, segment ids already folded into them:
     entry.reset_at_segment_starts). q, k [B, Tp, H * G, K / G] hold G = geo.key_groups groups
-    of keys as virtual heads (state rows are separable by key: o sums the groups' outputs); v [B,
-    Tp, H, V]; g [B, Tp, H * G, K / G] per key, or [B, Tp, H * G] per head (and for no gate),
-    which the kernels read as such, dg summed over K inside them. Not differentiated, per-head
-    gates may run the one Mosaic GPU forward (geo.mosaic_forward, G = 1)."""
+    of keys as virtual heads (state rows are separable by key: the state passes sum the
+    groups' outputs); v [B, Tp, H, V]; g [B, Tp, H * G, K / G] per key, or [B, Tp, H * G] per
+    head (and for no gate), which the kernels read as such, dg summed over K inside them. Not
+    differentiated, per-head gates may run the one Mosaic GPU forward (geo.mosaic_forward,
+    G = 1)."""
     if geo.mosaic_forward:
         return forward_mosaic.forward(q, k, v, g, s0, geo=geo, interpret=interpret)
     return _mosaic_forward(q, k, v, g, s0, geo, interpret, _INFERENCE)[0]
-
-
-def _sum_groups(x, groups: int, dtype):
-    """x [B, Tp, H * groups, V] float32 partial sums of the key groups -> [B, Tp, H, V] dtype."""
-    if groups == 1:
-        return x
-    b, t, hg, v = x.shape
-    return jnp.sum(x.reshape(b, t, hg // groups, groups, v), axis=3).astype(dtype)
 
 
 def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, p, splits, interpret):
@@ -159,7 +152,7 @@ def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
     o, *parts, final = _state_pass_split(
         kd, v, last, s0, w=qd, a=a, p=dataclasses.replace(p, groups=geo.key_groups),
         splits=geo.mosaic_splits, interpret=interpret)
-    return (_sum_groups(o, geo.key_groups, v.dtype), final), (a, qd, kd, last, *parts)
+    return (o, final), (a, qd, kd, last, *parts)
 
 
 def _mosaic_fwd(q, k, v, g, s0, geo, interpret):
@@ -179,7 +172,7 @@ def _mosaic_bwd(geo, interpret, residuals, cotangents):
     dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh,
                                                   jnp.sum(term, axis=3), scale=geo.scale,
                                                   interpret=interpret, groups=groups)
-    return dq, dk, _sum_groups(dv, groups, v.dtype), dg, None if s0 is None else ds0
+    return dq, dk, dv, dg, None if s0 is None else ds0
 
 
 mosaic_chunked.defvjp(_mosaic_fwd, _mosaic_bwd)
