@@ -20,9 +20,9 @@ product keeps float32 accuracy.
 K above 128 runs as G groups of 128 keys (virtual heads; the state is separable by key, out is
 the sum of the groups' outs). One block walks its head's groups one after another, each over all
 chunks: group g adds its out to the float32 sum of the groups before it, which group g - 1 wrote
-to a scratch output and TMA reads back, and the last group writes the sum in y's dtype. So no
-float32 partial outputs per group leave the kernel for XLA to add (docs/gpu_backend.md, "Key
-groups summed in the state passes").
+to a scratch output and TMA reads back, and the last group writes the sum in the input dtype.
+So no float32 partial outputs per group leave the kernel for XLA to add (docs/gpu_backend.md,
+"Key groups summed in the state passes").
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     p.groups per head of y. Every per-chunk array is chunk-major, so that segments of T fold into
     the batch by reshapes (vjp.py).
 
-    Returns, in this order, what `p` asks for: out [B, Tp, H / G, V] in y's dtype (outputs), the
+    Returns, in this order, what `p` asks for: out [B, Tp, H / G, V] in x's dtype (outputs), the
     stored parts of S per chunk ([B, N, H, K, V] each), the state term [B, N, H, V / BLOCK_V, K]
     float32 (per value tile; the caller sums the tiles), and the last state [B, H, K, V]
     float32."""
@@ -87,7 +87,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     has_s0 = s0 is not None
     # a block walks its head's key groups one after another; each group's out is added to the
     # float32 partial sum of the groups before it (`partial`, an output read back by TMA), and the
-    # last group writes the sum in y's dtype
+    # last group writes the sum in x's dtype
     summed = p.outputs and groups > 1
 
     def body(*refs):
@@ -260,7 +260,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     parts_type = jax.ShapeDtypeStruct((bsz, n, h, kd, vd), dtype)
     out_type = []
     if p.outputs:
-        out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), y.dtype))
+        out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), dtype))
     if summed:
         out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), F32))
     out_type += [parts_type] * p.store_parts
