@@ -109,31 +109,28 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         def chunk_index(i):
             return n - 1 - i if p.reverse else i
 
+        def out_tile(ref, chunk):
+            """ref's [C, BLOCK_V] tile of one chunk (out or the partial sums, [B, Tp, H / G, V])."""
+            return ref.at[batch, pl.ds(chunk * c, c), head, vcols]
+
+        def store(staging, value, ref, chunk):
+            staging[...] = value
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(staging, out_tile(ref, chunk), commit_group=False)
+
         def store_out(o, group, chunk):
             """o [C, BLOCK_V] float32 of one group -> out (the last group) or the partial sum."""
-            tokens = (batch, pl.ds(chunk * c, c), head, vcols)
             if not summed:
-                scratch["o"][...] = o.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(scratch["o"], o_ref.at[tokens], commit_group=False)
+                store(scratch["o"], o.astype(dtype), o_ref, chunk)
                 return
             pl.when(group > 0)(lambda: plgpu.barrier_wait(scratch["partial_ready"]))
             # loaded at the step's start (not for group 0)
             before = plgpu.load(scratch["partial"], layout=plgpu.Layout.WGMMA)
             o = o + jnp.where(group > 0, before, 0.0)
-
-            @pl.when(group < groups - 1)
-            def _():
-                scratch["partial"][...] = o
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(scratch["partial"], partial_ref.at[tokens],
-                                        commit_group=False)
-
-            @pl.when(group == groups - 1)
-            def _():
-                scratch["o"][...] = o.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(scratch["o"], o_ref.at[tokens], commit_group=False)
+            pl.when(group < groups - 1)(
+                lambda: store(scratch["partial"], o, partial_ref, chunk))
+            pl.when(group == groups - 1)(
+                lambda: store(scratch["o"], o.astype(dtype), o_ref, chunk))
 
         def run_group(group):
             vhead = head * groups + group
@@ -152,8 +149,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 if summed:  # the sum of the groups before this one, awaited in store_out
                     pl.when(group > 0)(lambda: plgpu.copy_gmem_to_smem(
-                        partial_ref.at[batch, pl.ds(chunk * c, c), head, vcols],
-                        scratch["partial"], scratch["partial_ready"]))
+                        out_tile(partial_ref, chunk), scratch["partial"],
+                        scratch["partial_ready"]))
                 parts = []
                 if p.store_parts or p.outputs:
                     hi = state.astype(dtype)
