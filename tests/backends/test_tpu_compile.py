@@ -102,6 +102,22 @@ def test_attention_compiles(name, generation):
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
+# float32 inputs at D = 256 with segment ids: the largest default tiles by VMEM (the dk/dv kernel's
+# 512 x 512, 12.1 MiB by plan.vmem_estimate_bytes) on the chips with the smallest default scoped
+# limit, 16 MiB (v4; v5e in --full).
+@pytest.mark.parametrize("generation", ["v4", pytest.param("v5e", marks=pytest.mark.full)])
+def test_attention_float32_d256_compiles(generation):
+    x = jax.ShapeDtypeStruct((2, 2048, 8, 256), F32)
+    seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
+
+    def forward(q, k, v, q_seg, kv_seg):
+        return ops.flash_attention(q, k, v, causal=True, segment_ids=(q_seg, kv_seg),
+                                   backend="mosaic_tpu")
+
+    fn = _grad_of_sum(forward, (0, 1, 2))
+    assert compile_for_tpu(fn, x, x, x, seg, seg, generation=generation) is not None
+
+
 def _gla_args(gate, b, t, h, kd, vd):
     gshape = (b, t, h, kd) if gate == "key" else (b, t, h)
     return (jax.ShapeDtypeStruct((b, t, h, kd), BF16), jax.ShapeDtypeStruct((b, t, h, kd), BF16),

@@ -109,12 +109,9 @@ class BlockSizes:
         scoped VMEM limit (docs/attention_mosaic_tpu.md has the footprints). On chips with
         256-wide MXUs (v6e, 7x) all three kernels take 1024 x 1024 tiles: libtpu's static
         estimate puts the forward's 13-30% below 512 x 512 there, and the backward's cut
-        forward+backward by 9% (D 128) to 31% (D 256) (docs/benchmarks.md)."""
-        if head_dim <= 128:
-            sizes = cls()
-        else:
-            sizes = cls(block_q=512, block_kv=512, block_kv_compute=256, block_q_dq=256,
-                        block_kv_dq=512, block_q_dkv=512, block_kv_dkv=256)
+        forward+backward by 9% (D 128) to 31% (D 256) (docs/benchmarks.md). On 128-wide MXUs
+        the tiles are 512 x 512, the forward's p @ v in 256-key steps at D = 256."""
+        sizes = cls() if head_dim <= 128 else cls(block_kv_compute=256)
         if mxu_width is not None and mxu_width >= 256:
             sizes = dataclasses.replace(sizes, block_kv_compute=None, **{
                 name: 1024 for name in _BLOCK_FIELDS})
