@@ -82,7 +82,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     n = tp // c
     if tp % c or vd % BLOCK_V:
         raise ValueError(f"padded T={tp} and V={vd} must be multiples of {c}, {BLOCK_V}")
-    if h % groups or y.shape[2] * groups != h:
+    if y.shape[2] * groups != h:
         raise ValueError(f"x's {h} virtual heads must be y's {y.shape[2]} heads x {groups} groups")
     has_s0 = s0 is not None
     # a block walks its head's key groups one after another; each group's out is added to the
@@ -201,7 +201,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
             if groups == 1:
                 run_group(jnp.int32(0))
             else:
-                lax.fori_loop(0, groups, lambda group, carry: (run_group(group), carry)[1], 0)
+                lax.fori_loop(0, groups, lambda group, _: run_group(group), None)
 
         @pl.when(wg == 1)
         def _():
