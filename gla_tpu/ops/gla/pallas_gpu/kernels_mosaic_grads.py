@@ -46,7 +46,7 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     COL,
     COMPILER_PARAMS,
     F32,
-    GATE_PARTS,
+    GATE_DTYPE,
     SLAB,
     T,
     cols,
@@ -55,7 +55,7 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     level_operand,
     level_pairs,
     level_range,
-    load_gate_parts,
+    load_gates,
     load_slab,
     matmul,
     operands_released,
@@ -114,10 +114,11 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     per_head = g.ndim == 3
 
     def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, dq_ref,
-             dk_ref, dg_ref, q_s, k_s, parts, da_s, pool, vecs, loaded, tile_loaded, *extra):
+             dk_ref, dg_ref, q_s, k_s, gates, ranges, da_s, pool, vecs, loaded, tile_loaded,
+             *extra):
         # per-head gates: the chunk's gates in, then its dg summed over the slab's keys out
         head_vec = extra[0] if per_head else None
-        # bfloat16 tiles: the range matrix and the parts of the dg sums; within the pool (its
+        # bfloat16 tiles: the parts of the dg sums and their range matrix; within the pool (its
         # value-tile half, free after the first products) for bfloat16 inputs
         bpool = extra[-1] if dtype != BF16 else pool.at[4:8]
         flat, head, batch = (lax.axis_index(x) for x in ("chunk_slab", "head", "batch"))
@@ -140,7 +141,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
 
         for j in range(min(vtiles, 2)):
             load_tile(j)
-        load_gate_parts(g_ref, tokens, (kcols,), parts, 1, loaded, head_vec)
+        load_gates(g_ref, tokens, (kcols,), gates, 1, loaded, head_vec)
 
         # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T, summed over value tiles
         da = q_inter = k_inter = None
@@ -159,14 +160,13 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         da_s[...] = da.astype(dtype)
 
         # the inter-chunk parts, weighted by exp(b) and exp(b_last - b)
-        ranges = bpool.at[3]
         set_ranges(ranges, prefix_range(c), c, interpret=interpret)  # after the products above
         q_f, k_f = (plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32) for ref in (q_s, k_s))
-        q_inter = q_inter * (jnp.exp2(range_sums(ranges, parts, 0, interpret=interpret)) * scale)
+        q_inter = q_inter * (jnp.exp2(range_sums(ranges, gates, 0, interpret=interpret)) * scale)
         grad_q = q_inter + diag * k_f
         cancel = q_f * q_inter  # Dq's inter part
         set_ranges(ranges, suffix_range(c), c, interpret=interpret)
-        k_inter = k_inter * jnp.exp2(range_sums(ranges, parts, 0, interpret=interpret))
+        k_inter = k_inter * jnp.exp2(range_sums(ranges, gates, 0, interpret=interpret))
         grad_k = k_inter + diag * q_f
         y_parts = [bpool.at[i] for i in range(3)]  # Y = k dk_inter, summed over s < t at the end
         store_parts(k_f * k_inter, y_parts)
@@ -178,7 +178,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
             grad_q, grad_k, cancel = carry
             # after the last level's wgmmas, which read the pool
             set_ranges(ranges, level_range(level, c), c, interpret=interpret)
-            factor = jnp.exp2(range_sums(ranges, parts, 0, interpret=interpret))
+            factor = jnp.exp2(range_sums(ranges, gates, 0, interpret=interpret))
             # X: q F_L on upper rows, k F_L on lower rows (level_operand)
             op = level_operand(load_slab(q_s, 0), load_slab(k_s, 0), factor,
                                upper_rows(level, shape), dtype)
@@ -199,6 +199,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))
 
         # dg = sum_{s < t} Y_s + e^(b_last) term + sum_{s >= t} cancel_s
+        ranges = bpool.at[3]  # bfloat16, as the parts
         set_ranges(ranges, before_range(c), c, interpret=interpret)
         state = cols(jnp.exp(plgpu.load(vecs.at[0], layout=COL))
                      * plgpu.load(vecs.at[1], layout=COL), shape)
@@ -224,7 +225,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     scratch = [
         tile,  # q's slab, then dq
         tile,  # k's slab, then dk
-        plgpu.SMEM((GATE_PARTS, 1, c, SLAB), BF16, transforms=SWIZZLED),  # g's parts
+        plgpu.SMEM((1, c, SLAB), GATE_DTYPE, transforms=SWIZZLED),  # g log2(e)
+        plgpu.SMEM((c, c), GATE_DTYPE, transforms=SWIZZLED),  # the gates' range matrices
         plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
         plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
         plgpu.SMEM((2, SLAB), F32),  # b_last, the state term

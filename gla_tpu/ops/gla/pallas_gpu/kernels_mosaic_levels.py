@@ -11,10 +11,11 @@ chunk's tokens: F_L's is g summed over (m, t] on a level's upper rows and over (
 lower rows (m the separator), b_t = g summed over [0, t], b_last - b_t over (t, C). So each is one
 product on the tensor cores, E = R g, with R a [C, C] 0/1 range matrix built from the row index
 (and the level, a loop index: one loop body serves the six levels, which keeps the code within
-the instruction cache) and g in two bfloat16 parts (16 significand bits: an exponent E is off by
-at most 2^-17 |E|, a relative 2e-4 on any weight above e^-30). The parts hold g log2(e), so every
-weight is one exp2 of a range sum (exp would add a multiply per element). The kernels take the
-gates g themselves: no cumulative sum precedes them.
+the instruction cache) and g rounded once to float16 (11 significand bits, R exact: an exponent
+E is off by at most 2^-11 |E|, docs/gla_math.md, "Exponents as range sums"). The gates are stored
+times log2(e), so every weight is one exp2 of a range sum (exp would add a multiply per element),
+and floored at GATE_FLOOR, within float16's range. The kernels take the gates g themselves: no
+cumulative sum precedes them.
 
 `prep` writes, from q, k [C, K] and the gates g of a chunk,
 
@@ -40,13 +41,17 @@ from gla_tpu.ops.common.mosaic_gpu import SWIZZLED
 
 CHUNK = 64
 SLAB = 64  # key columns per slab
-GATE_PARTS = 2  # bfloat16 parts of the float32 gates in the range-sum products
+GATE_DTYPE = jnp.float16  # the gates (times log2(e)) as operands of the range-sum products
+# Base-2 log gates below this are raised to it: float16 ends at 65504, and any weight whose range
+# holds such a gate is 2^-16384 = 0 either way (so are the chunk decays that use it).
+GATE_FLOOR = -16384.0
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 F32 = jnp.float32
 BF16 = jnp.bfloat16
-LOG2E = 1.4426950408889634  # the gate parts hold g * LOG2E: range sums are base-2 exponents
+F16 = jnp.float16
+LOG2E = 1.4426950408889634  # the stored gates hold g * LOG2E: range sums are base-2 exponents
 LN2 = 0.6931471805599453
 # Lane semantics: shared-memory buffers keep exactly the transforms given here
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True,
@@ -128,13 +133,13 @@ def load_slab(ref, slab: int, dtype=F32):
     return plgpu.load(ref.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA).astype(dtype)
 
 
-def range_matrix(lo, hi, chunk: int):
-    """[C, C] bfloat16 0/1: row t keeps the columns s with lo_t < s <= hi_t (lo, hi [C] int32,
+def range_matrix(lo, hi, chunk: int, dtype=GATE_DTYPE):
+    """[C, C] 0/1 in `dtype`: row t keeps the columns s with lo_t < s <= hi_t (lo, hi [C] int32,
     ROW layout). R @ g sums g over each row's range."""
     shape = (chunk, chunk)
     s = iota(shape, 1)
     keep = jnp.logical_and(s > rows(lo, shape), s <= rows(hi, shape))
-    return jnp.where(keep, full(shape, 1.0), full(shape, 0.0)).astype(BF16)
+    return jnp.where(keep, full(shape, 1.0), full(shape, 0.0)).astype(dtype)
 
 
 def is_upper(t, level):
@@ -176,10 +181,10 @@ def at_or_after_range(chunk: int):
 
 
 def set_ranges(ranges_smem, bounds, chunk: int, *, interpret: bool):
-    """The range matrix of `bounds` (lo, hi) into ranges_smem, once every warp is past the last
-    one's products, committed for the tensor cores."""
+    """The range matrix of `bounds` (lo, hi) into ranges_smem (in its dtype), once every warp is
+    past the last one's products, committed for the tensor cores."""
     operands_released(interpret=interpret)
-    ranges_smem[...] = range_matrix(*bounds, chunk)
+    ranges_smem[...] = range_matrix(*bounds, chunk, ranges_smem.dtype)
     plgpu.commit_smem()
 
 
@@ -194,41 +199,47 @@ def level_pairs(level, chunk: int):
     return rows(u, shape) == cols(x >> level, shape)
 
 
-def store_gate_parts(g_view, parts, slabs: int):
-    """A chunk's gates, times LOG2E, into parts [GATE_PARTS, slabs, C, SLAB] bfloat16 (hi, then
-    the rest), through registers. g_view: per-key gates [C, slabs * SLAB] (a float32 view of global
-    memory), or per-head gates [C] (a float32 vector in shared memory), the same gate for every
-    key."""
+def _store_rounded(g, gates, rest, slab):
+    """g [C, SLAB] float32 (times LOG2E) into gates.at[slab] as GATE_DTYPE, floored at GATE_FLOOR,
+    and what that rounding left into rest.at[slab] (if rest is given)."""
+    g = jnp.maximum(g, GATE_FLOOR)
+    hi = g.astype(GATE_DTYPE)
+    gates.at[slab][...] = hi
+    if rest is not None:
+        rest.at[slab][...] = (g - hi.astype(F32)).astype(GATE_DTYPE)
+
+
+def store_gates(g_view, gates, slabs: int, rest=None):
+    """A chunk's gates, times LOG2E, into gates [slabs, C, SLAB] (GATE_DTYPE) and, where `rest` is
+    given, the rounding's remainder into rest (the two sum to g log2(e) within 2^-22), through
+    registers. g_view: per-key gates [C, slabs * SLAB] (a float32 view of global memory), or
+    per-head gates [C] (a float32 vector in shared memory), the same gate for every key."""
     if len(g_view.shape) == 1:
         g = rows(plgpu.load(g_view, layout=ROW) * LOG2E, (CHUNK, SLAB))
-        hi = g.astype(BF16)
-        rest = (g - hi.astype(F32)).astype(BF16)
         for slab in range(slabs):
-            parts.at[0, slab][...] = hi
-            parts.at[1, slab][...] = rest
+            _store_rounded(g, gates, rest, slab)
         return
     for slab in range(slabs):
         g = plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA,
                        optimized=False) * LOG2E
-        hi = g.astype(BF16)
-        parts.at[0, slab][...] = hi
-        parts.at[1, slab][...] = (g - hi.astype(F32)).astype(BF16)
+        _store_rounded(g, gates, rest, slab)
 
 
-def load_gate_parts(g_ref, tokens, key_cols, parts, slabs: int, loaded, head_vec):
-    """A block's gates into parts (`store_gate_parts`), then the wait on the block's other loads
-    (barrier `loaded`). tokens = (batch, the chunk's rows, head). Per-key gates (head_vec None):
-    g_ref [B, Tp, H, K], the slabs `key_cols` (a tuple of one pl.ds, or empty for all K) read
-    while those loads fly. Per-head gates: g_ref [B, H, Tp] (`head_major_gates`), the chunk's
-    gates copied into head_vec ([C] float32 shared memory) as one more arrival on `loaded`."""
+def load_gates(g_ref, tokens, key_cols, gates, slabs: int, loaded, head_vec, rest=None):
+    """A block's gates into `gates` (and `rest`; `store_gates`), then the wait on the block's
+    other loads (barrier `loaded`). tokens = (batch, the chunk's rows, head). Per-key gates
+    (head_vec None): g_ref [B, Tp, H, K], the slabs `key_cols` (a tuple of one pl.ds, or empty for
+    all K) read while those loads fly. Per-head gates: g_ref [B, H, Tp] (`head_major_gates`), the
+    chunk's gates copied into head_vec ([C] float32 shared memory) as one more arrival on
+    `loaded`."""
     batch, chunk_rows, head = tokens
     if head_vec is None:
-        store_gate_parts(g_ref.at[tokens + key_cols], parts, slabs)
+        store_gates(g_ref.at[tokens + key_cols], gates, slabs, rest)
         plgpu.barrier_wait(loaded)
         return
     plgpu.copy_gmem_to_smem(g_ref.at[batch, head, chunk_rows], head_vec, loaded)
     plgpu.barrier_wait(loaded)
-    store_gate_parts(head_vec, parts, slabs)
+    store_gates(head_vec, gates, slabs, rest)
 
 
 def head_major_gates(g):
@@ -237,11 +248,11 @@ def head_major_gates(g):
     return jnp.swapaxes(g, 1, 2) if g.ndim == 3 else g
 
 
-def range_sums(ranges_smem, parts, slab: int, *, interpret: bool):
-    """[C, SLAB] float32: R @ g log2(e) (a base-2 exponent) for R in ranges_smem ([C, C],
-    committed) and the slab's gates."""
-    return matmul([(ranges_smem, parts.at[p, slab]) for p in range(GATE_PARTS)],
-                  (CHUNK, SLAB), interpret=interpret)
+def range_sums(ranges_smem, gates, slab: int, *, interpret: bool, rest=None):
+    """[C, SLAB] float32: R @ g log2(e) (a base-2 exponent) for R in ranges_smem ([C, C]
+    GATE_DTYPE, committed) and the slab's gates (`store_gates`), plus R @ rest where given."""
+    pairs = [(ranges_smem, x.at[slab]) for x in (gates, rest) if x is not None]
+    return matmul(pairs, (CHUNK, SLAB), interpret=interpret)
 
 
 def upper_rows(level, shape):
@@ -270,21 +281,21 @@ def prep(q, k, g, *, scale: float, interpret):
     levels = pair_levels.num_levels(c)
     per_head = g.ndim == 3
 
-    def body(q_ref, k_ref, g_ref, a_ref, qd_ref, kd_ref, last_ref, q_smem, k_smem, parts,
+    def body(q_ref, k_ref, g_ref, a_ref, qd_ref, kd_ref, last_ref, q_smem, k_smem, gates, rest,
              ranges, kops, stage, loaded, *head_gates):
         chunk, head, batch = (lax.axis_index(x) for x in ("chunk", "head", "batch"))
         tokens = (batch, pl.ds(chunk * c, c), head)
         for src, dst in ((q_ref, q_smem), (k_ref, k_smem)):
             plgpu.copy_gmem_to_smem(src.at[tokens], dst, loaded)
-        load_gate_parts(g_ref, tokens, (), parts, slabs, loaded,
-                        head_gates[0] if per_head else None)
+        load_gates(g_ref, tokens, (), gates, slabs, loaded, head_gates[0] if per_head else None,
+                   rest)
 
         def level_step(level, scores):
             # after the last level's wgmmas, which read `ranges` and `kops`
             set_ranges(ranges, level_range(level, c), c, interpret=interpret)
             ops = []
             for slab in range(slabs):
-                factor = jnp.exp2(range_sums(ranges, parts, slab, interpret=interpret))
+                factor = jnp.exp2(range_sums(ranges, gates, slab, interpret=interpret))
                 op = level_operand(load_slab(q_smem, slab), load_slab(k_smem, slab), factor,
                                    upper_rows(level, factor.shape), dtype)
                 kops.at[slab][...] = op
@@ -302,10 +313,11 @@ def prep(q, k, g, *, scale: float, interpret):
         r, x = iota((c, c), 0), iota((c, c), 1)
         scores = (scores + jnp.where(r == x, rows(diag, (c, c)), 0.0)) * scale
 
-        # qd and kd over q and k; b_last of each slab through `stage`
+        # qd and kd over q and k; b_last of each slab through `stage`. b with the rest of the
+        # gates: d initial_state and the chunk decays have no term of weight 1 beside them
         set_ranges(ranges, prefix_range(c), c, interpret=interpret)
         for slab in range(slabs):
-            b = range_sums(ranges, parts, slab, interpret=interpret)
+            b = range_sums(ranges, gates, slab, interpret=interpret, rest=rest)
             span = pl.ds(slab * SLAB, SLAB)
             qd = load_slab(q_smem, slab) * (jnp.exp2(b) * scale)
             if slab:
@@ -316,7 +328,7 @@ def prep(q, k, g, *, scale: float, interpret):
             plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, chunk, head, span])
         set_ranges(ranges, suffix_range(c), c, interpret=interpret)
         for slab in range(slabs):
-            rest = range_sums(ranges, parts, slab, interpret=interpret)
+            rest = range_sums(ranges, gates, slab, interpret=interpret)
             span = pl.ds(slab * SLAB, SLAB)
             k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp2(rest)).astype(dtype)
         kops.at[0][...] = scores.astype(dtype)  # A (C = SLAB)
@@ -329,8 +341,9 @@ def prep(q, k, g, *, scale: float, interpret):
     scratch = [
         plgpu.SMEM((c, kd), dtype, transforms=SWIZZLED),  # q, then qd
         plgpu.SMEM((c, kd), dtype, transforms=SWIZZLED),  # k, then kd
-        plgpu.SMEM((GATE_PARTS, slabs, c, SLAB), BF16, transforms=SWIZZLED),  # g's parts
-        plgpu.SMEM((c, c), BF16, transforms=SWIZZLED),  # a range matrix
+        plgpu.SMEM((slabs, c, SLAB), GATE_DTYPE, transforms=SWIZZLED),  # g log2(e), rounded
+        plgpu.SMEM((slabs, c, SLAB), GATE_DTYPE, transforms=SWIZZLED),  # and the rest
+        plgpu.SMEM((c, c), GATE_DTYPE, transforms=SWIZZLED),  # a range matrix
         plgpu.SMEM((slabs, c, SLAB), dtype, transforms=SWIZZLED),  # a level's operand X; A
         plgpu.SMEM((c, SLAB), F32),  # b of a slab (its last row goes out)
         plgpu.Barrier(num_arrivals=3 if per_head else 2),  # q, k (, per-head gates)
