@@ -297,9 +297,9 @@ def jla_gla(q, k, v, g):
 
 
 def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True, gate="fla",
-                    per_head=False):
+                    per_head=False, fla_modes=None):
     """One GLA shape and gate distribution: ours, jla and fla (per_head: [B, T, H] gates against
-    fla's chunk_simple_gla)."""
+    fla's chunk_simple_gla); fla in `fla_modes` (default: `modes`)."""
     import torch
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
 
@@ -362,7 +362,7 @@ def bench_gla_shape(ctx, b, t, h, kd, vd, modes, *, op="gla", fla_recurrent=True
                 record(ctx, op=op, impl=name, shape=shape, mode="fwd", gate=gate,
                        error=f"output differs from ours: rel err {err:.2e}")
                 continue
-            for mode in modes:
+            for mode in (modes if fla_modes is None else fla_modes):
                 if mode == "fwd":
                     def run():
                         with torch.no_grad():
@@ -519,8 +519,12 @@ def main(argv=None):
     parser.add_argument("--no-fla-recurrent", action="store_true",
                         help="GLA: leave out fla's fused_recurrent_gla (50-100 ms a step)")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
+    parser.add_argument("--fla-modes", default=None,
+                        help="GLA: fla's modes where not --modes (its backward autotunes for "
+                             "minutes at some shapes)")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
+    fla_modes = None if args.fla_modes is None else args.fla_modes.split(",")
     gates = args.gates.split(",")
     for gate in gates:
         if gate not in GATES:
@@ -547,7 +551,8 @@ def main(argv=None):
                     for gate in gates:
                         bench_gla_shape(ctx, *shape, modes, gate=gate,
                                         per_head=part == "gla_per_head",
-                                        fla_recurrent=not args.no_fla_recurrent)
+                                        fla_recurrent=not args.no_fla_recurrent,
+                                        fla_modes=fla_modes)
             elif part == "decode":
                 bench_decode(ctx)
             elif part == "breakdown":

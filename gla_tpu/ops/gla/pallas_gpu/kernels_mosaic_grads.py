@@ -23,11 +23,11 @@ left out: it cancels exactly). The two triangular sums run on the tensor cores, 
 operands in three bfloat16 parts. The state term sum_V h_n dh_{n+1} comes from the reversed state
 pass (kernels_mosaic_state.py), which also computes dv.
 
-Shared memory: q, k, the gate parts and dA stay for the whole block; a pool of eight [64, 64]
-16-bit tiles holds v, do, h_n, dh_{n+1} (a ring of two stages over the value tiles of 64) for the
-first products, then dA_L
-and the level operands, and (bfloat16 inputs) the range matrix and the parts of the dg sums in its
-second half. 104 KiB with bfloat16 inputs: two blocks per SM (float16: four more bfloat16 tiles).
+Shared memory: q, k, the gates (float16), their range matrix and dA stay for the whole block; a
+pool of eight [64, 64] 16-bit tiles holds v, do, h_n, dh_{n+1} (a ring of two stages over the
+value tiles of 64) for the first products, then dA_L and the level operands, and (bfloat16
+inputs) the parts of the dg sums and their range matrix in its second half. 104 KiB with bfloat16
+inputs: two blocks per SM (float16: four more bfloat16 tiles).
 """
 
 from __future__ import annotations
