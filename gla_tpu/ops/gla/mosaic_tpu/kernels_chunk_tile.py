@@ -205,29 +205,37 @@ def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_dq, want_dk):
     """Secondary chunking (docs/gla_mosaic_tpu.md), the pairs in different sub-chunks: query
     sub-chunk I against earlier keys factors through r = b at I's first token
     (exp(b_i - r) * exp(r - b_j), both exponents <= 0), one matmul per sub-chunk. The diagonal
-    sub-chunk blocks are left out (zero here): `diagonal_blocks` computes them."""
+    sub-chunk blocks are left out (zero here): `diagonal_blocks` computes them. Only the keys
+    before I (rows [0, r0)) are scaled, and only their rows of dk updated: the rest of the
+    chunk's rows are zeros in the key operand."""
     c, kd = q.shape
     s = min(SUB_CHUNK, c)
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-    key_pos = _iota((c, 1), 0)
     score_rows, dq_rows = [], []
     dk = jnp.zeros((c, kd), jnp.float32) if want_dk else None
     for i_sub in range(c // s):
         r0 = i_sub * s
+        if r0 == 0:  # no key before the first sub-chunk
+            if want_scores:
+                score_rows.append(jnp.zeros((s, c), jnp.float32))
+            if want_dq:
+                dq_rows.append(jnp.zeros((s, kd), jnp.float32))
+            continue
         q_i, b_i = qf[r0:r0 + s], b[r0:r0 + s]  # [s, K]
         ref = b[r0:r0 + 1]  # [1, K]
         q_scale = jnp.exp(b_i - ref)  # [s, K], exponent <= 0
         q_rel = q_i * q_scale
         ds_i = None if d_scores is None else d_scores[r0:r0 + s]  # [s, C]
-        # Keys strictly before the sub-chunk: exp(ref - b_j) <= 1, zero elsewhere.
-        before = key_pos < r0  # [C, 1]
-        k_scale = jnp.where(before, jnp.exp(jnp.where(before, ref - b, 0.0)), 0.0)  # [C, K]
+        # Keys strictly before the sub-chunk: exp(ref - b_j) <= 1 (b does not increase).
+        k_scale = jnp.exp(ref - b[:r0])  # [r0, K]
+        k_rel = jnp.concatenate([kf[:r0] * k_scale, jnp.zeros((c - r0, kd), jnp.float32)])
         if want_scores:
-            score_rows.append(_dot(q_rel, kf * k_scale, "nt", dt))  # [s, C]
+            score_rows.append(_dot(q_rel, k_rel, "nt", dt))  # [s, C]
         if want_dq:
-            dq_rows.append(_dot(ds_i, kf * k_scale, "nn", dt) * q_scale)  # [s, K]
+            dq_rows.append(_dot(ds_i, k_rel, "nn", dt) * q_scale)  # [s, K]
         if want_dk:
-            dk = dk + _dot(ds_i, q_rel, "tn", dt) * k_scale
+            dk_before = dk[:r0] + _dot(ds_i, q_rel, "tn", dt)[:r0] * k_scale
+            dk = jnp.concatenate([dk_before, dk[r0:]])
     scores = jnp.where(mask, jnp.concatenate(score_rows, axis=0), 0.0) if want_scores else None
     dq = jnp.concatenate(dq_rows, axis=0) if want_dq else None
     return scores, dq, dk
