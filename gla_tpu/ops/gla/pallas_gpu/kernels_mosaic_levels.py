@@ -50,7 +50,6 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 F32 = jnp.float32
 BF16 = jnp.bfloat16
-F16 = jnp.float16
 LOG2E = 1.4426950408889634  # the stored gates hold g * LOG2E: range sums are base-2 exponents
 LN2 = 0.6931471805599453
 # Lane semantics: shared-memory buffers keep exactly the transforms given here
