@@ -115,6 +115,15 @@ def test_interpret_parity_segments():
                      interpret=True, block_sizes=PAIR_LEVELS)
 
 
+# Gates far below float16's range (logsigmoid(x) / 1e-5, -5e3 to -3e5 a token): the kernels floor
+# g log2(e) at GATE_FLOOR before rounding it to float16, so every weight that holds such a gate is
+# exactly 0, as it should be, instead of a NaN from 0 * -inf in the range sums.
+def test_interpret_parity_gates_below_float16():
+    case = GLACase(1, 64, 1, 64, 64, gate="key", gate_strength=1e-5, initial_state=True)
+    check_gla_parity(case, jax.random.key(4), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     interpret=True, block_sizes=PAIR_LEVELS)
+
+
 # Per-head and absent gates train on the same kernels, which read [B, T, H] gates (one per head,
 # for every key) and sum dg over each key slab; K = 200 pads to two groups of 128 keys, each two
 # slabs, so dg is summed over slabs and groups.
