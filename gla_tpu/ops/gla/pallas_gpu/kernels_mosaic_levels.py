@@ -327,9 +327,9 @@ def prep(q, k, g, *, scale: float, interpret):
             plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, chunk, head, span])
         set_ranges(ranges, suffix_range(c), c, interpret=interpret)
         for slab in range(slabs):
-            rest = range_sums(ranges, gates, slab, interpret=interpret)
+            after = range_sums(ranges, gates, slab, interpret=interpret)  # b_last - b
             span = pl.ds(slab * SLAB, SLAB)
-            k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp2(rest)).astype(dtype)
+            k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp2(after)).astype(dtype)
         kops.at[0][...] = scores.astype(dtype)  # A (C = SLAB)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(kops.at[0], a_ref.at[tokens])
