@@ -198,14 +198,12 @@ def level_pairs(level, chunk: int):
     return rows(u, shape) == cols(x >> level, shape)
 
 
-def _store_rounded(g, gates, rest, slab):
-    """g [C, SLAB] float32 (times LOG2E) into gates.at[slab] as GATE_DTYPE, floored at GATE_FLOOR,
-    and what that rounding left into rest.at[slab] (if rest is given)."""
+def _rounded(g, with_rest: bool):
+    """g [C, SLAB] float32 (times LOG2E), floored at GATE_FLOOR -> (GATE_DTYPE value, what that
+    rounding left in GATE_DTYPE, or None)."""
     g = jnp.maximum(g, GATE_FLOOR)
     hi = g.astype(GATE_DTYPE)
-    gates.at[slab][...] = hi
-    if rest is not None:
-        rest.at[slab][...] = (g - hi.astype(F32)).astype(GATE_DTYPE)
+    return hi, ((g - hi.astype(F32)).astype(GATE_DTYPE) if with_rest else None)
 
 
 def store_gates(g_view, gates, slabs: int, rest=None):
@@ -213,15 +211,17 @@ def store_gates(g_view, gates, slabs: int, rest=None):
     given, the rounding's remainder into rest (the two sum to g log2(e) within 2^-22), through
     registers. g_view: per-key gates [C, slabs * SLAB] (a float32 view of global memory), or
     per-head gates [C] (a float32 vector in shared memory), the same gate for every key."""
-    if len(g_view.shape) == 1:
-        g = rows(plgpu.load(g_view, layout=ROW) * LOG2E, (CHUNK, SLAB))
-        for slab in range(slabs):
-            _store_rounded(g, gates, rest, slab)
-        return
+    per_head = len(g_view.shape) == 1
+    if per_head:  # rounded once, stored in every slab
+        parts = _rounded(rows(plgpu.load(g_view, layout=ROW) * LOG2E, (CHUNK, SLAB)),
+                         rest is not None)
     for slab in range(slabs):
-        g = plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA,
-                       optimized=False) * LOG2E
-        _store_rounded(g, gates, rest, slab)
+        if not per_head:
+            parts = _rounded(plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA,
+                                        optimized=False) * LOG2E, rest is not None)
+        for buf, part in zip((gates, rest), parts):
+            if buf is not None:
+                buf.at[slab][...] = part
 
 
 def load_gates(g_ref, tokens, key_cols, gates, slabs: int, loaded, head_vec, rest=None):
