@@ -4,17 +4,18 @@ Every kernel walks a grid (batch, head, V block, block of G chunks) and, within 
 applies pieces of `kernels_chunk_tile` to each of its G chunks in turn
 (`plan.chunks_per_grid_step`). The kernels ("roles") are:
 
-  fused_fwd   sequential over chunks, state in VMEM scratch: outputs and final state.
-  states      sequential: the state entering every chunk, materialized, and the final state.
-  outputs     parallel over chunks: outputs from materialized states.
-  dstates     sequential, reverse order: the cotangent of the state leaving every chunk
-              (materialized) and the cotangent of the initial state.
-  bwd_chunk   parallel over chunks: dq, dk, dv and the gate's chunk-edge term from materialized
-              states and their cotangents.
-  bwd_fused   as bwd_chunk, sequential, with the state recomputed in VMEM instead of read.
+  fused_fwd      sequential over chunks, state in VMEM scratch: outputs and final state.
+  fused_fwd_res  as fused_fwd, also writing the state entering every chunk (the backward's
+                 residual).
+  states         sequential: the state entering every chunk, materialized, and the final state.
+  outputs        parallel over chunks: outputs from materialized states.
+  bwd_reverse    sequential, reverse order: dq, dk, dv and the gate's chunk-edge term from
+                 materialized states, the cotangent of the state leaving each chunk carried in
+                 VMEM scratch, and the cotangent of the initial state.
 
-"fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs / states + dstates +
-bwd_chunk. States are held transposed ([V, K]); docs/gla_mosaic_tpu.md gives the layouts.
+"fused_chunk" = fused_fwd (fused_fwd_res under differentiation) / bwd_reverse on the saved
+states; "chunk" = states + outputs / states (recomputed) + bwd_reverse. States are held
+transposed ([V, K]); docs/gla_mosaic_tpu.md gives the layouts.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk_tile as tile
 from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, seq_shape
 
 # Roles whose grid walks the chunks in reverse order, and roles free of a carried state.
-_REVERSED = frozenset({"dstates"})
-_PARALLEL = frozenset({"outputs", "bwd_chunk"})
+_REVERSED = frozenset({"bwd_reverse"})
+_PARALLEL = frozenset({"outputs"})
 
 
 # Arrays with one row per token (blocks of G*C rows); the others hold one entry per chunk (blocks
@@ -85,10 +86,9 @@ def _specs(cfg: ChunkConfig, step_of):
         # One [bv, K] block of a transposed state [B, H, V, K] (s0, final, their cotangents).
         **{name: pl.BlockSpec((None, None, bv, kd), lambda bi, hi, vi, ni: (bi, hi, vi, 0))
            for name in _WHOLE_STATES},
-        # Materialized per-chunk states [B, H, N, V, K] and their cotangents.
-        **{name: pl.BlockSpec((None, None, g, bv, kd),
-                              lambda bi, hi, vi, ni: (bi, hi, step_of(ni), vi, 0))
-           for name in ("states", "dstates")},
+        # Materialized per-chunk states [B, H, N, V, K].
+        "states": pl.BlockSpec((None, None, g, bv, kd),
+                               lambda bi, hi, vi, ni: (bi, hi, step_of(ni), vi, 0)),
         # Per-V-block shares of dq, dk and per-key dg.
         **{name: _partial_spec(kd, rows, step_of) for name in ("dq", "dk", "dg")},
         # Per-chunk, per-V-block [1, K] rows for the gate gradient: [nV, B, H, N, 1, K] float32.
@@ -117,11 +117,10 @@ def _inputs(cfg: ChunkConfig, role: str):
     gate, seg = _gate_names(cfg), _seg_names(cfg)
     return {
         "fused_fwd": ["q", "k", "v", *gate, *seg, *_s0_names(cfg)],
+        "fused_fwd_res": ["q", "k", "v", *gate, *seg, *_s0_names(cfg)],
         "states": ["k", "v", *_gate_names(cfg, with_rows=False), *seg, *_s0_names(cfg)],
         "outputs": ["q", "k", "v", *gate, *seg, "states"],
-        "dstates": ["q", *_gate_names(cfg, with_rows=False), *seg, "do", "dfinal"],
-        "bwd_chunk": ["q", "k", "v", *gate, *seg, "do", "states", "dstates"],
-        "bwd_fused": ["q", "k", "v", *gate, *seg, *_s0_names(cfg), "do", "dstates"],
+        "bwd_reverse": ["q", "k", "v", *gate, *seg, "do", "states", "dfinal"],
     }[role]
 
 
@@ -141,11 +140,10 @@ def _outputs(cfg: ChunkConfig, role: str):
         grads["edge"] = jax.ShapeDtypeStruct((cfg.num_v_blocks, b, h, cfg.num_chunks, 1, kd), f32)
     return {
         "fused_fwd": {"o": o, "final": state},
+        "fused_fwd_res": {"o": o, "states": states, "final": state},
         "states": {"states": states, "final": state},
         "outputs": {"o": o},
-        "dstates": {"dstates": states, "ds0": state},
-        "bwd_chunk": grads,
-        "bwd_fused": grads,
+        "bwd_reverse": {**grads, "ds0": state},
     }[role]
 
 
@@ -237,8 +235,10 @@ def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
     do = None if "do" not in r else r["do"][...].astype(jnp.float32) * cfg.scale
 
     q, k, v = load("q"), load("k"), load("v")
-    if role == "fused_fwd":
+    if role in ("fused_fwd", "fused_fwd_res"):
         st = carry[...]
+        if "states" in r:
+            r["states"][...] = st
         r["o"][...] = tile.output(q, k, v, gate, seg, st, cfg.scale, dt).astype(r["o"].dtype)
         nxt = tile.next_state(k, v, gate, seg, st, dt)
     elif role == "states":
@@ -249,13 +249,9 @@ def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
         o = tile.output(q, k, v, gate, seg, r["states"][...], cfg.scale, dt)
         r["o"][...] = o.astype(r["o"].dtype)
         return
-    elif role == "dstates":
-        dst = carry[...]
-        r["dstates"][...] = dst
-        nxt = tile.prev_state_grad(q, gate, seg, dst, do, dt)
-    elif role in ("bwd_chunk", "bwd_fused"):
-        st = r["states"][...] if role == "bwd_chunk" else carry[...]
-        dq, dk, dv, edge = tile.backward(q, k, v, gate, seg, do, st, r["dstates"][...], dt)
+    elif role == "bwd_reverse":
+        dst = carry[...]  # cotangent of the state leaving this chunk
+        dq, dk, dv, edge = tile.backward(q, k, v, gate, seg, do, r["states"][...], dst, dt)
         if cfg.gate_kind == "key":
             r["dg"][...] = tile.gate_grad_per_key(q, k, dq, dk, edge)
         elif cfg.gate_kind == "head":
@@ -263,9 +259,7 @@ def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
         r["dq"][...] = dq.astype(r["dq"].dtype)
         r["dk"][...] = dk.astype(r["dk"].dtype)
         r["dv"][...] = dv.astype(r["dv"].dtype)
-        if role == "bwd_chunk":
-            return
-        nxt = tile.next_state(k, v, gate, seg, st, dt)
+        nxt = tile.prev_state_grad(q, gate, seg, dst, do, dt)
     else:
         raise ValueError(f"unknown kernel role {role!r}")
     carry[...] = nxt

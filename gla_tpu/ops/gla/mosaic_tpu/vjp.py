@@ -4,9 +4,10 @@ Chunked modes (docs/gla_mosaic_tpu.md): the custom_vjp's inputs are (q, k, v, ga
 state). Per-key gates enter as g: the kernels take its chunk-local sums b and return dg. Per-head
 gates enter as b, summed outside the kernels, and JAX's autodiff of that sum turns db into dg;
 db = sum_K (q*dq - k*dk) + (at each chunk's last token) an "edge" row the backward kernels return
-beside dq, dk, dv. d initial state comes from the kernel that materializes the state cotangents.
-"fused_chunk" = fused_fwd / dstates + bwd_fused; "chunk" = states + outputs / states + dstates +
-bwd_chunk (kernels_chunk.py).
+beside dq, dk, dv, and d initial state. The backward is one reverse-order kernel over the states
+entering each chunk: "fused_chunk" saves them from its forward (fused_fwd_res), "chunk" saves only
+the inputs and recomputes them (kernels_chunk.py; docs/gla_mosaic_tpu.md, "Kernels" and
+"Memory a training step holds").
 
 fused_recurrent (docs/gla_mosaic_tpu_recurrent.md): the forward kernel, or the decode kernel at
 T = 1; the backward reruns the forward to checkpoint the state at every time block, then the
@@ -39,37 +40,43 @@ def chunked(cfg, mode, interpret, q, k, v, gates, s0, rel):
     the gates (per-key log gates [B, Tp, H, K] float32, per-head chunk-local sums [B, Tp, H]
     float32, or None), the initial state or None, and the relative segment index rel [B, Tp] or
     None."""
-    (o, final), _ = _core_fwd(cfg, mode, interpret, q, k, v, gates, s0, rel)
-    return o, final
+    arrays = chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel)
+    out, _ = _chunked_forward(cfg, mode, interpret, arrays, save_states=False)
+    return out
+
+
+def _chunked_forward(cfg, mode, interpret, arrays, *, save_states):
+    """((o, final) in the API's layouts, the kernels' [B, H, N, V, K] states or None)."""
+    if mode == "fused_chunk":
+        out = kernels_chunk.run(cfg, "fused_fwd_res" if save_states else "fused_fwd", arrays,
+                                interpret=interpret)
+    else:
+        out = kernels_chunk.run(cfg, "states", arrays, interpret=interpret)
+        out.update(kernels_chunk.run(cfg, "outputs", {**arrays, "states": out["states"]},
+                                     interpret=interpret))
+    o = seq_unpack(out["o"], cfg.num_heads, cfg.value_dim)
+    return (o, transpose_state(out["final"])), out.get("states")
 
 
 def _core_fwd(cfg, mode, interpret, q, k, v, gates, s0, rel):
     arrays = chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel)
-    if mode == "fused_chunk":
-        out = kernels_chunk.run(cfg, "fused_fwd", arrays, interpret=interpret)
-    else:
-        states = kernels_chunk.run(cfg, "states", arrays, interpret=interpret)
-        out = kernels_chunk.run(cfg, "outputs", {**arrays, "states": states["states"]},
-                          interpret=interpret)
-        out["final"] = states["final"]
-    o = seq_unpack(out["o"], cfg.num_heads, cfg.value_dim)
-    final = transpose_state(out["final"])
-    return (o, final), (q, k, v, gates, s0, rel)
+    # fused_chunk keeps the states its forward passes through ([B, H, N, V, K] float32); chunk
+    # keeps only the inputs and recomputes them in the backward.
+    save = mode == "fused_chunk"
+    out, states = _chunked_forward(cfg, mode, interpret, arrays, save_states=save)
+    return out, (q, k, v, gates, s0, rel, states if save else None)
 
 
 def _core_bwd(cfg, mode, interpret, residuals, cotangents):
-    q, k, v, gates, s0, rel = residuals
+    q, k, v, gates, s0, rel, states = residuals
     do, dfinal = cotangents
     arrays = chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel)
+    if states is None:
+        states = kernels_chunk.run(cfg, "states", arrays, interpret=interpret)["states"]
+    arrays["states"] = states
     arrays["do"] = seq_pack(do.astype(cfg.dtype))
     arrays["dfinal"] = transpose_state(dfinal.astype(jnp.float32))
-    dstates = kernels_chunk.run(cfg, "dstates", arrays, interpret=interpret)
-    arrays["dstates"] = dstates["dstates"]
-    if mode == "fused_chunk":
-        grads = kernels_chunk.run(cfg, "bwd_fused", arrays, interpret=interpret)
-    else:
-        arrays["states"] = kernels_chunk.run(cfg, "states", arrays, interpret=interpret)["states"]
-        grads = kernels_chunk.run(cfg, "bwd_chunk", arrays, interpret=interpret)
+    grads = kernels_chunk.run(cfg, "bwd_reverse", arrays, interpret=interpret)
     dq, dk = (_whole_key_grad(cfg, grads[x]) for x in ("dq", "dk"))
     dv = seq_unpack(grads["dv"], cfg.num_heads, cfg.value_dim)
     if cfg.gate_kind == "key":
@@ -78,7 +85,7 @@ def _core_bwd(cfg, mode, interpret, residuals, cotangents):
         dgates = _head_gate_sum_grad(cfg, q, k, dq, dk, _rows(grads["edge"]))
     else:
         dgates = None
-    ds0 = None if s0 is None else transpose_state(dstates["ds0"])
+    ds0 = None if s0 is None else transpose_state(grads["ds0"])
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, ds0, None)
 
 
