@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Sub-chunk length of the secondary chunking of per-key gates (every chunked backend).
+# Sub-chunk length of the secondary chunking of per-key gates (the "xla" backend and the Triton
+# GPU kernels; the Mosaic kernels take pair levels instead, common/pair_levels.py).
 SUB_CHUNK = 16
 
 

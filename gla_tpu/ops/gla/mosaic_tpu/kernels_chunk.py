@@ -251,9 +251,9 @@ def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
         return
     elif role == "bwd_reverse":
         dst = carry[...]  # cotangent of the state leaving this chunk
-        dq, dk, dv, edge = tile.backward(q, k, v, gate, seg, do, r["states"][...], dst, dt)
+        dq, dk, dv, edge, db = tile.backward(q, k, v, gate, seg, do, r["states"][...], dst, dt)
         if cfg.gate_kind == "key":
-            r["dg"][...] = tile.gate_grad_per_key(q, k, dq, dk, edge)
+            r["dg"][...] = tile.gate_grad_per_key(db)
         elif cfg.gate_kind == "head":
             r["edge"][...] = edge
         r["dq"][...] = dq.astype(r["dq"].dtype)

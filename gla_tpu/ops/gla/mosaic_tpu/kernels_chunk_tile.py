@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_tpu.ops.common.chunk_cumsum import SUB_CHUNK
 from gla_tpu.ops.common.masks import intra_chunk_visibility
 from gla_tpu.ops.common.products import product
 
@@ -67,14 +66,9 @@ def running_sum(x, *, reverse: bool = False):
     return jnp.concatenate(out, axis=0)
 
 
-def gate_grad_per_key(q, k, dq, dk, edge):
-    """dg [C, K] float32 of per-key log gates from one chunk's float32 dq, dk (or one V block's
-    share of them) and its edge row [1, K] (`backward`): db_t = q_t dq_t - k_t dk_t, plus edge at
-    the chunk's last token, then dg_t = sum of db over t..C-1 (b_t sums g over the chunk's tokens
-    up to t)."""
-    c = q.shape[0]
-    db = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
-    db = db + jnp.where(_iota((c, 1), 0) == c - 1, edge, 0.0)
+def gate_grad_per_key(db):
+    """dg [C, K] float32 of per-key log gates from one chunk's db (or one V block's share of it,
+    `backward`): dg_t = sum of db over t..C-1 (b_t sums g over the chunk's tokens up to t)."""
     return running_sum(db, reverse=True)
 
 
@@ -179,7 +173,9 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
       q, k: [C, K]; gate: the chunk's gate sums; mask: [C, C] bool from `pair_mask`.
       d_scores: [C, C] float32 cotangent of A (already masked), needed for dq / dk.
     Returns:
-      (A [C, C] | None, dq [C, K] | None, dk [C, K] | None), float32.
+      (A [C, C] | None, dq [C, K] | None, dk [C, K] | None, db [C, K] | None), float32; db (per-key
+      gates, with dq and dk) is these pairs' share of q*dq - k*dk, summed so that it cancels
+      (`_intra_per_key`).
     """
     c = q.shape[0]
     if gate.kind != "key":
@@ -197,97 +193,59 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
                 dq = _dot(ds, k, "nn", dt) + d_diag * k.astype(jnp.float32)
             if want_dk:
                 dk = _dot(ds, q, "tn", dt) + d_diag * q.astype(jnp.float32)
-        return scores, dq, dk
-    return _intra_per_key(q, k, gate.b, mask, dt, d_scores, want_scores, want_dq, want_dk)
+        return scores, dq, dk, None
+    return _intra_per_key(q, k, gate.b, mask, dt, d_scores, want_scores, want_dq or want_dk)
 
 
-def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_dq, want_dk):
-    """Secondary chunking (docs/gla_mosaic_tpu.md), the pairs in different sub-chunks: query
-    sub-chunk I against earlier keys factors through r = b at I's first token
-    (exp(b_i - r) * exp(r - b_j), both exponents <= 0), one matmul per sub-chunk. The diagonal
-    sub-chunk blocks are left out (zero here): `diagonal_blocks` computes them. Only the keys
-    before I (rows [0, r0)) are scaled, and only their rows of dk updated: the rest of the
-    chunk's rows are zeros in the key operand."""
-    c, kd = q.shape
-    s = min(SUB_CHUNK, c)
-    qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-    score_rows, dq_rows = [], []
-    dk = jnp.zeros((c, kd), jnp.float32) if want_dk else None
-    for i_sub in range(c // s):
-        r0 = i_sub * s
-        if r0 == 0:  # no key before the first sub-chunk
-            if want_scores:
-                score_rows.append(jnp.zeros((s, c), jnp.float32))
-            if want_dq:
-                dq_rows.append(jnp.zeros((s, kd), jnp.float32))
-            continue
-        q_i, b_i = qf[r0:r0 + s], b[r0:r0 + s]  # [s, K]
-        ref = b[r0:r0 + 1]  # [1, K]
-        q_scale = jnp.exp(b_i - ref)  # [s, K], exponent <= 0
-        q_rel = q_i * q_scale
-        ds_i = None if d_scores is None else d_scores[r0:r0 + s]  # [s, C]
-        # Keys strictly before the sub-chunk: exp(ref - b_j) <= 1 (b does not increase).
-        k_scale = jnp.exp(ref - b[:r0])  # [r0, K]
-        k_rel = jnp.concatenate([kf[:r0] * k_scale, jnp.zeros((c - r0, kd), jnp.float32)])
-        if want_scores:
-            score_rows.append(_dot(q_rel, k_rel, "nt", dt))  # [s, C]
-        if want_dq:
-            dq_rows.append(_dot(ds_i, k_rel, "nn", dt) * q_scale)  # [s, K]
-        if want_dk:
-            dk_before = dk[:r0] + _dot(ds_i, q_rel, "tn", dt)[:r0] * k_scale
-            dk = jnp.concatenate([dk_before, dk[r0:]])
-    scores = jnp.where(mask, jnp.concatenate(score_rows, axis=0), 0.0) if want_scores else None
-    dq = jnp.concatenate(dq_rows, axis=0) if want_dq else None
-    return scores, dq, dk
+def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads):
+    """Pair levels (docs/gla_mosaic_tpu.md, "Per-key gates: pair levels"). A pair i > j of the
+    chunk belongs to level h, the highest bit in which i and j differ: both lie in one aligned
+    block of 2h rows, i in its upper half and j in its lower half, so the pair factors through
+    r = b at the upper half's first row, exp(b_i - r) * exp(r - b_j), both exponents <= 0. One
+    operand per level, X = q exp(b - r) on the upper rows and k exp(r - b) on the lower rows:
+    the level's scores are X X^T on its band of pairs, dq's part (dA X) exp(b - r) and dk's
+    (dA^T X) exp(r - b). The pairs i = j (decay 1) stay out of the rounded products.
 
-
-def _diagonal_mask(s: int, r0: int, seg: Segments | None):
-    """[s, s, 1] bool: within the sub-chunk at r0, token i sees token j (j <= i, same segment)."""
-    i, j = _iota((s, s, 1), 0), _iota((s, s, 1), 1)
-    if seg is None:
-        return intra_chunk_visibility(i, j)
-    col = seg.col[r0:r0 + s]  # [s, 1]
-    return intra_chunk_visibility(i, j, col[:, None, :], col[None, :, :])
-
-
-def diagonal_blocks(q, k, b, seg: Segments | None, *, v=None, do_scaled=None):
-    """The diagonal sub-chunk blocks of per-key intra-chunk attention, elementwise in float32
-    (the pairs whose factored form would need a positive exponent). Per sub-chunk of s tokens the
-    [s, s, K] decays exp(b_i - b_j) (exponent clamped to <= 0; pairs j > i are masked) make
-    A_ij = sum_k q_ik k_jk exp(b_ik - b_jk) with keys j on sublanes, so the products with v and
-    dO reduce along sublanes or the leading axis, with no relayout.
-
-    Args:
-      q, k: [C, K]; b: [C, K] float32 gate sums; seg: the chunk's segments or None.
-      v: [C, bv] for the output (A v) and dv (A^T dO); do_scaled: [C, bv] float32 (scale * dO)
-        for dv, dq and dk.
-    Returns:
-      dict of float32 arrays: "out" [C, bv] (with v), and with do_scaled: "dv" [C, bv],
-      "dq" [C, K], "dk" [C, K].
-    """
+    db: a pair's shares of q*dq and k*dk cancel in dg for the tokens before both. Taken from dq
+    and dk they would not (each side rounds its own operand), so the pairs' db is built from the
+    rounded X on both sides, X (dA X - dA^T X), in which every pair appears twice with one value;
+    the pairs i = j add nothing to db. (dq, dk, db) are None unless `want_grads`."""
     c = q.shape[0]
-    s = min(SUB_CHUNK, c)
     f32 = jnp.float32
-    rows = {name: [] for name in ("out", "dv", "dq", "dk")}
-    for i_sub in range(c // s):
-        sub = slice(i_sub * s, (i_sub + 1) * s)
-        q_i, k_i, b_i = q[sub].astype(f32), k[sub].astype(f32), b[sub]  # [s, K]
-        v_i = v[sub].astype(f32)  # [s, bv]
-        mask = _diagonal_mask(s, i_sub * s, seg)  # [s, s, 1]
-        decay = jnp.exp(jnp.minimum(b_i[:, None, :] - b_i[None, :, :], 0.0))  # [s, s, K]
-        q_decay = q_i[:, None, :] * decay  # [s, s, K], reused by dk
-        a = jnp.sum(q_decay * k_i[None, :, :], axis=-1, keepdims=True)
-        a = jnp.where(mask, a, 0.0)  # [s, s, 1]: query i, key j
-        if do_scaled is None:
-            rows["out"].append(jnp.sum(a * v_i[None, :, :], axis=1))  # [s, bv]
-            continue
-        do_i = do_scaled[sub]  # [s, bv]
-        da = jnp.sum(do_i[:, None, :] * v_i[None, :, :], axis=-1, keepdims=True)
-        da = jnp.where(mask, da, 0.0)  # [s, s, 1]
-        rows["dv"].append(jnp.sum(a * do_i[:, None, :], axis=0))  # [s, bv]
-        rows["dq"].append(jnp.sum(da * k_i[None, :, :] * decay, axis=1))  # [s, K]
-        rows["dk"].append(jnp.sum(da * q_decay, axis=0))  # [s, K]
-    return {name: jnp.concatenate(r, axis=0) for name, r in rows.items() if r}
+    qf, kf = q.astype(f32), k.astype(f32)
+    rows = _iota((c, 1), 0)
+    i, j = _iota((c, c), 0), _iota((c, c), 1)
+    level_of = i ^ j  # [C, C]: pair (i, j) is on level h iff h <= i ^ j < 2h
+    scores = dq = dk = db = None
+    if want_scores:
+        scores = jnp.where(i == j, _dot(q, k, "nt", dt), 0.0)
+    if want_grads:
+        d_diag = jnp.sum(jnp.where(i == j, d_scores, 0.0), axis=1, keepdims=True)  # [C, 1]
+        dq, dk = d_diag * kf, d_diag * qf
+        db = jnp.zeros(q.shape, f32)
+    group_start = b  # [C, K]: b at the first row of each row's aligned group of h rows
+    h = 1
+    while h < c:
+        upper = (rows & h) != 0  # [C, 1]: the queries of level h; the other rows are its keys
+        ref = jnp.where(upper, group_start, pltpu.roll(group_start, c - h, 0))
+        scale = jnp.exp(jnp.where(upper, b - ref, ref - b))  # [C, K], exponents <= 0
+        x = (jnp.where(upper, qf, kf) * scale).astype(dt)
+        band = (level_of >= h) & (level_of < 2 * h)
+        if want_scores:
+            scores = scores + jnp.where(band, product(x, x, "nt"), 0.0)
+        if want_grads:
+            ds_lvl = jnp.where(band, d_scores, 0.0).astype(dt)  # (upper i, lower j) only
+            dq_lvl = product(ds_lvl, x, "nn")  # [C, K], zero off the upper rows
+            dk_lvl = product(ds_lvl, x, "tn")  # [C, K], zero off the lower rows
+            dq = dq + dq_lvl * scale
+            dk = dk + dk_lvl * scale
+            db = db + x.astype(f32) * (dq_lvl - dk_lvl)
+        # Row t takes row t - h where bit h of t is set: b at the start of its 2h-group.
+        group_start = jnp.where(upper, pltpu.roll(group_start, h, 0), group_start)
+        h *= 2
+    if want_scores:
+        scores = jnp.where(mask, scores, 0.0)
+    return scores, dq, dk, db
 
 
 def carried_queries(q, gate: Gate, seg: Segments | None):
@@ -311,10 +269,8 @@ def carry_state(st, gate: Gate, seg: Segments | None):
 def output(q, k, v, gate, seg, st, scale, dt):
     """One chunk's output from its tokens and entering state ST [bv, K]: [C, bv] float32."""
     c = q.shape[0]
-    scores, _, _ = intra(q, k, gate, pair_mask(c, seg), dt, want_scores=True)
+    scores = intra(q, k, gate, pair_mask(c, seg), dt, want_scores=True)[0]
     o = _dot(scores, v, "nn", dt) + _dot(carried_queries(q, gate, seg), st, "nt", dt)
-    if gate.kind == "key":
-        o = o + diagonal_blocks(q, k, gate.b, seg, v=v)["out"]
     return o * scale
 
 
@@ -332,26 +288,30 @@ def backward(q, k, v, gate, seg, do_scaled, st, dst, dt):
     """One chunk's gradients from its tokens, the entering state ST [bv, K] and the cotangent
     dST [bv, K] of the leaving state; do_scaled = scale * dO, [C, bv] float32.
 
-    Returns float32 (dq [C, K], dk [C, K], dv [C, bv], edge [1, K]) where edge is the share of db
-    at the chunk's last token (docs/gla_mosaic_tpu.md): sum_j k_j * dk_state_j (the leaving
-    state's keys) + <keep * ST * exp(b_last), dST> over V (the carried state). Both use the very
-    values that enter dk, so the last token's k * dk_state cancels exactly in db.
+    Returns float32 (dq [C, K], dk [C, K], dv [C, bv], edge [1, K], db [C, K] or None). edge is
+    the share of db at the chunk's last token (docs/gla_mosaic_tpu.md): sum_j k_j * dk_state_j
+    (the leaving state's keys) + <keep * ST * exp(b_last), dST> over V (the carried state). Both
+    use the very values that enter dk, so the last token's k * dk_state cancels exactly in db.
+    db (per-key gates) = q*dq - k*dk with edge at the last token, its intra-chunk pairs summed
+    as `_intra_per_key` says.
     """
     c = q.shape[0]
     mask = pair_mask(c, seg)
     d_scores = jnp.where(mask, _dot(do_scaled, v, "nt", dt), 0.0)  # [C, C]
-    scores, dq, dk = intra(q, k, gate, mask, dt, d_scores=d_scores, want_scores=True,
-                           want_dq=True, want_dk=True)
+    scores, dq, dk, db = intra(q, k, gate, mask, dt, d_scores=d_scores, want_scores=True,
+                               want_dq=True, want_dk=True)
     dq_inter = _mul(_dot(do_scaled, st, "nn", dt), gate.to_start())
-    dq = dq + _mask_rows(dq_inter, None if seg is None else seg.reaches)
+    dq_inter = _mask_rows(dq_inter, None if seg is None else seg.reaches)
+    dq = dq + dq_inter
     k_tail = tail_keys(k, gate, seg)
     dk_state = _mul(_dot(v, dst, "nn", dt), gate.to_end())
     dk_state = _mask_rows(dk_state, None if seg is None else seg.in_last)
     dk = dk + dk_state
     dv = _dot(scores, do_scaled, "tn", dt) + _dot(k_tail, dst, "nt", dt)
-    if gate.kind == "key":
-        diag = diagonal_blocks(q, k, gate.b, seg, v=v, do_scaled=do_scaled)
-        dq, dk, dv = dq + diag["dq"], dk + diag["dk"], dv + diag["dv"]
-    edge = (jnp.sum(k.astype(jnp.float32) * dk_state, axis=0, keepdims=True)
+    qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
+    edge = (jnp.sum(kf * dk_state, axis=0, keepdims=True)
             + jnp.sum(carry_state(st, gate, seg) * dst, axis=0, keepdims=True))
-    return dq, dk, dv, edge
+    if db is not None:
+        db = db + qf * dq_inter - kf * dk_state
+        db = db + jnp.where(_iota((c, 1), 0) == c - 1, edge, 0.0)
+    return dq, dk, dv, edge, db
