@@ -295,17 +295,28 @@ def _program(spec: Spec):
     return fn, args
 
 
-_ENTRY_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? ([a-z][a-z0-9-]*)\(")
+_ENTRY_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\(")
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # Entry ops the profiler writes no profile for.
 _UNPROFILED_OPCODES = {"parameter", "bitcast", "tuple", "get-tuple-element", "constant",
                        "copy-start", "copy-done"}
+# ... and the asynchronous slices of a parameter (DMAs the ops that wait on them carry).
+_NO_PROFILE_BY_DESIGN = _UNPROFILED_OPCODES | {"slice-start", "slice-done"}
 
 
 def _entry_ops(hlo_text: str) -> list:
-    """[name, opcode] of the instructions of an optimized HLO module's entry computation."""
+    """[name, opcode, result type, custom-call target or None] of the instructions of an
+    optimized HLO module's entry computation."""
     entry = hlo_text[hlo_text.index("\nENTRY"):]
     entry = entry[:entry.index("\n}")]
-    return [list(m.groups()) for m in map(_ENTRY_OP.match, entry.splitlines()[1:]) if m]
+    ops_ = []
+    for line in entry.splitlines()[1:]:
+        match = _ENTRY_OP.match(line)
+        if match:
+            target = _CUSTOM_CALL_TARGET.search(line)
+            ops_.append([match.group(1), match.group(3), match.group(2),
+                         target.group(1) if target else None])
+    return ops_
 
 
 # The parent: one child per program, estimates parsed from the dumped profiles.
@@ -313,21 +324,32 @@ def _entry_ops(hlo_text: str) -> list:
 _CYCLES = re.compile(r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)')
 
 
-def profile(spec: Spec, timeout: int = 900) -> dict:
+def profile(spec: Spec, timeout: int = 900, twins: bool = True) -> dict:
     """Compiles `spec` in a child process and returns its record (cycles, per-op breakdown, or
     the error). Our attention's forward+backward is the sum of its forward program and of its
     backward program (the profiler cannot take our forward kernel in one program with the
-    backward; `_attention_backward_program`)."""
+    backward; `_attention_backward_program`). With `twins`, each program is compiled once more
+    without the profiler to find the ops that have no profile of their own
+    (`unprofiled_twins`); `cycles` stays the sum of the profiles."""
     if spec.op == "attention" and spec.impl == "gla_tpu" and spec.passes == "fwd_bwd":
-        parts = [_profile_one(dataclasses.replace(spec, passes=p), timeout)
+        parts = [profile(dataclasses.replace(spec, passes=p), timeout, twins)
                  for p in ("fwd", "bwd")]
         record = dict(parts[0], passes="fwd_bwd", key=spec.key, method="fwd + bwd programs")
         if any(p.get("cycles") is None for p in parts):
             record.update(cycles=None, error="; ".join(str(p["error"]) for p in parts))
             return record
         record["ops"] = {f"{p['passes']}:{k}": v for p in parts for k, v in p["ops"].items()}
-        return _with_estimates(record, spec, sum(p["cycles"] for p in parts))
-    return _profile_one(spec, timeout)
+        record = _with_estimates(record, spec, sum(p["cycles"] for p in parts))
+        if twins:
+            missing = [[f"{p['passes']}:{name}", *rest] for p in parts
+                       for name, *rest in (p["unprofiled_twins"] or [])]
+            _with_twins(record, None if any(p["unprofiled_twins"] is None for p in parts)
+                        else missing)
+        return record
+    record = _profile_one(spec, timeout)
+    if twins and record.get("cycles") is not None:
+        _with_twins(record, unprofiled_twins(spec, record["ops"], timeout))
+    return record
 
 
 # HLO ops XLA itself emits (names are the opcode plus a suffix); every other profiled op of a
@@ -411,8 +433,52 @@ def _unprofiled_ops(spec: Spec, ops_cycles: dict, timeout: int) -> list | None:
         ops_ = json.loads(run.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
         return None
-    return [[name, opcode] for name, opcode in ops_
+    return [[name, opcode] for name, opcode, *_ in ops_
             if opcode not in _UNPROFILED_OPCODES and name not in ops_cycles]
+
+
+def unprofiled_twins(spec: Spec, ops_cycles: dict, timeout: int) -> list | None:
+    """The entry ops of `spec`'s program that cost time but have no profile of their own, each
+    with its candidate twins: [[name, opcode, result type, {profiled op: cycles}], ...] (None if
+    the compile fails).
+
+    libtpu writes one profile per distinct compiled op, so an op that XLA compiles to the same
+    code as another (the relayout of v beside those of q and k, the layout copy of dv beside
+    dk's) has none, and the sum of the profiles counts that code once. Its twins are the
+    profiled ops of the same opcode and result type; which one it repeats is not known, so a
+    record brackets the program by the cheapest and the dearest twin (`cycles_with_twins`)."""
+    try:
+        run = _run_child(spec, timeout, list_ops=True)
+        ops_ = json.loads(run.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+        return None
+    signature = {name: (opcode, type_) for name, opcode, type_, _ in ops_}
+    missing = []
+    for name, opcode, type_, target in ops_:
+        if name in ops_cycles or opcode in _NO_PROFILE_BY_DESIGN:
+            continue
+        if opcode == "custom-call" and target != "tpu_custom_call":
+            continue  # XLA's own custom calls here (ConcatBitcast) are free views
+        twins = {other: cycles for other, cycles in ops_cycles.items()
+                 if signature.get(other) == (opcode, type_)}
+        missing.append([name, opcode, type_, twins])
+    return missing
+
+
+def _with_twins(record: dict, missing: list | None) -> dict:
+    """Adds `unprofiled_twins` and the bracket `cycles_with_twins` [low, high] (None where an
+    unprofiled op has no twin) to a profiled record."""
+    if missing is None:
+        record.update(unprofiled_twins=None, cycles_with_twins=None)
+        return record
+    record["unprofiled_twins"] = missing
+    if any(not twins for *_, twins in missing):
+        record["cycles_with_twins"] = None
+    else:
+        record["cycles_with_twins"] = [
+            record["cycles"] + sum(min(t.values()) for *_, t in missing),
+            record["cycles"] + sum(max(t.values()) for *_, t in missing)]
+    return record
 
 
 def _is_kernel(op_name: str) -> bool:

@@ -30,7 +30,7 @@ def test_static_cycle_estimate_does_not_grow(recorded):
 
     spec = Spec(recorded["op"], recorded["impl"], tuple(recorded["shape"]), recorded["generation"],
                 recorded["passes"])
-    record = profile(spec, timeout=300)
+    record = profile(spec, timeout=300, twins=False)
     assert record["error"] is None, record["error"]
     assert record["cycles"] <= GROWTH_ALLOWED * recorded["cycles"], (
         f"{spec.key}: {record['cycles']:,} cycles, recorded {recorded['cycles']:,} "
@@ -60,3 +60,51 @@ def test_bench_programs_trace(op, shape):
             backward, args = programs[1]
             grads = jax.eval_shape(backward, *args)
             assert [g.shape for g in grads] == [(b, t, h, d)] * 3
+
+
+# libtpu writes one profile per distinct compiled op: an op compiled to the same code as another
+# has none of its own, and the bench brackets it by its candidate twins (same opcode and type).
+HLO_WITH_TWINS = """HloModule m
+ENTRY %main.1 (args_0_.1: bf16[1,4096,8,128]) -> (bf16[1,4096,1024]) {
+  %reshape.10.refs_0_ = bf16[1,4096,1024]{2,1,0:T(8,128)(2,1)S(1)} reshape(%args_0_.1), metadata={}
+  %reshape.12.refs_2_ = bf16[1,4096,1024]{2,1,0:T(8,128)(2,1)S(1)} reshape(%bitcast.32), metadata={}
+  %copy = bf16[512,8,8,128]{3,2,1,0:T(8,128)(2,1)} copy(%bitcast.35)
+  %custom-call = bf16[2048,2048]{1,0} custom-call(%a, %b), custom_call_target="ConcatBitcast"
+  %k.1 = (bf16[1,4096,1024]{2,1,0}, f32[1,8,1,4096]{3,2,1,0}) custom-call(%x), custom_call_target="tpu_custom_call"
+  ROOT %tuple = (bf16[1,4096,1024]) tuple(%reshape.12.refs_2_)
+}
+"""
+
+
+def test_entry_ops_and_twin_bracket():
+    from bench.tpu_static import _entry_ops, _with_twins
+
+    ops_ = _entry_ops(HLO_WITH_TWINS)
+    assert [o[:2] for o in ops_] == [
+        ["reshape.10.refs_0_", "reshape"], ["reshape.12.refs_2_", "reshape"], ["copy", "copy"],
+        ["custom-call", "custom-call"], ["k.1", "custom-call"], ["tuple", "tuple"]]
+    assert ops_[1][2] == "bf16[1,4096,1024]{2,1,0:T(8,128)(2,1)S(1)}"
+    assert ops_[4][2].startswith("(bf16[1,4096,1024]") and ops_[4][3] == "tpu_custom_call"
+    assert ops_[3][3] == "ConcatBitcast" and ops_[0][3] is None
+    record = _with_twins({"cycles": 1000},
+                         [["reshape.12.refs_2_", "reshape", ops_[1][2],
+                           {"reshape.10.refs_0_": 30, "reshape.11.refs_1_": 20}]])
+    assert record["cycles_with_twins"] == [1020, 1030]
+    assert _with_twins({"cycles": 1000}, [["x", "copy", "t", {}]])["cycles_with_twins"] is None
+
+
+def test_unprofiled_twins_names_ops_without_a_profile(monkeypatch):
+    import subprocess
+
+    from bench import tpu_static
+
+    listing = json.dumps(tpu_static._entry_ops(HLO_WITH_TWINS))
+    monkeypatch.setattr(tpu_static, "_run_child", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout=listing + "\n", stderr=""))
+    spec = tpu_static.Spec("gla", "gla_tpu", (1, 4096, 8, 128, 128, "key", "chunk"), "v6e",
+                           "fwd_bwd")
+    profiled = {"reshape.10.refs_0_": 30, "copy": 7, "k.1": 500}
+    missing = tpu_static.unprofiled_twins(spec, profiled, timeout=1)
+    # the kernel and the copy have profiles; ConcatBitcast and the tuple cost nothing
+    assert missing == [["reshape.12.refs_2_", "reshape",
+                        "bf16[1,4096,1024]{2,1,0:T(8,128)(2,1)S(1)}", {"reshape.10.refs_0_": 30}]]
