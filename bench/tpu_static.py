@@ -425,13 +425,20 @@ def _profile_one(spec: Spec, timeout: int) -> dict:
     return record
 
 
-def _unprofiled_ops(spec: Spec, ops_cycles: dict, timeout: int) -> list | None:
-    """The entry ops of `spec`'s program (compiled again, without the profiler) that have no
-    profile; None if that compile fails."""
+def _listed_entry_ops(spec: Spec, timeout: int) -> list | None:
+    """`_entry_ops` of `spec`'s program, compiled again without the profiler; None if that
+    compile fails."""
     try:
         run = _run_child(spec, timeout, list_ops=True)
-        ops_ = json.loads(run.stdout.strip().splitlines()[-1])
+        return json.loads(run.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+        return None
+
+
+def _unprofiled_ops(spec: Spec, ops_cycles: dict, timeout: int) -> list | None:
+    """The entry ops of `spec`'s program that have no profile; None if the compile fails."""
+    ops_ = _listed_entry_ops(spec, timeout)
+    if ops_ is None:
         return None
     return [[name, opcode] for name, opcode, *_ in ops_
             if opcode not in _UNPROFILED_OPCODES and name not in ops_cycles]
@@ -447,10 +454,8 @@ def unprofiled_twins(spec: Spec, ops_cycles: dict, timeout: int) -> list | None:
     dk's) has none, and the sum of the profiles counts that code once. Its twins are the
     profiled ops of the same opcode and result type; which one it repeats is not known, so a
     record brackets the program by the cheapest and the dearest twin (`cycles_with_twins`)."""
-    try:
-        run = _run_child(spec, timeout, list_ops=True)
-        ops_ = json.loads(run.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+    ops_ = _listed_entry_ops(spec, timeout)
+    if ops_ is None:
         return None
     signature = {name: (opcode, type_) for name, opcode, type_, _ in ops_}
     missing = []
