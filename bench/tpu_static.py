@@ -342,12 +342,13 @@ def profile(spec: Spec, timeout: int = 900, twins: bool = True) -> dict:
         record = _with_estimates(record, spec, sum(p["cycles"] for p in parts))
         if twins:
             missing = [[f"{p['passes']}:{name}", *rest] for p in parts
-                       for name, *rest in (p["unprofiled_twins"] or [])]
-            _with_twins(record, None if any(p["unprofiled_twins"] is None for p in parts)
+                       for name, *rest in (p.get("unprofiled_twins") or [])]
+            _with_twins(record, None if any(p.get("unprofiled_twins") is None for p in parts)
                         else missing)
         return record
     record = _profile_one(spec, timeout)
-    if twins and record.get("cycles") is not None:
+    # a lower bound already lists what has no profile (`unprofiled_ops`)
+    if twins and record.get("cycles") is not None and not record.get("lower_bound"):
         _with_twins(record, unprofiled_twins(spec, record["ops"], timeout))
     return record
 
