@@ -108,3 +108,15 @@ def test_unprofiled_twins_names_ops_without_a_profile(monkeypatch):
     # the kernel and the copy have profiles; ConcatBitcast and the tuple cost nothing
     assert missing == [["reshape.12.refs_2_", "reshape",
                         "bf16[1,4096,1024]{2,1,0:T(8,128)(2,1)S(1)}", {"reshape.10.refs_0_": 30}]]
+
+
+def test_a_lower_bound_gets_no_twins_pass(monkeypatch):
+    from bench import tpu_static
+
+    bound = {"cycles": 1000, "ops": {"k.1": 1000}, "lower_bound": True, "error": None,
+             "unprofiled_ops": [["copy.2", "copy"]]}
+    monkeypatch.setattr(tpu_static, "_profile_one", lambda spec, timeout: dict(bound))
+    monkeypatch.setattr(tpu_static, "unprofiled_twins",
+                        lambda *a: pytest.fail("a lower bound lists its unprofiled ops already"))
+    spec = tpu_static.Spec("gla", "gla_tpu", (1, 4096, 8, 128, 128, "key", "chunk"), "v5e", "fwd")
+    assert "cycles_with_twins" not in tpu_static.profile(spec)
