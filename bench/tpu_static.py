@@ -28,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import math
 import os
 import pathlib
 import re
@@ -189,6 +190,8 @@ def _attention_backward_program(spec: Spec):
     libtpu's profiler aborts on our kernels where XLA places their outputs in VMEM, as it does
     inside a whole forward+backward program; here the kernels' outputs are the program's
     (docs/benchmarks.md)."""
+    if dict(spec.options).get("inside_projections"):
+        raise ValueError("inside_projections: attention programs are forward only")
     import jax
     import jax.numpy as jnp
 
@@ -284,6 +287,8 @@ def _program(spec: Spec):
     import jax.numpy as jnp
 
     fn, args = (_attention_program if spec.op == "attention" else _gla_program)(spec)
+    if dict(spec.options).get("inside_projections"):
+        fn, args = _inside_projections(spec, fn, args)
     if spec.passes == "fwd_bwd":
         forward = fn
 
@@ -293,6 +298,49 @@ def _program(spec: Spec):
             return jax.grad(lambda *ys: jnp.sum(forward(*ys).astype(jnp.float32) ** 2),
                             argnums=tuple(range(len(xs))))(*xs)
     return fn, args
+
+
+def _inside_projections(spec: Spec, fn, args):
+    """`fn` as a layer calls it: every argument projected from one x [B, T, M] (M = H * D of
+    the first), so that XLA writes each in the layout its kernel reads; [B, T, ...] arguments as
+    (x @ w).reshape, JAX flash_attention's [B, H, T, D] ones transposed after that, float32 ones
+    (GLA's log gates) as log_sigmoid of the product. In a forward+backward program the output
+    [B, T, H, V] is projected back to M too, as a training step's loss sees it. The option
+    ("inside_projections", True) asks for it (docs/benchmarks.md, "Inside projections"); our
+    attention's forward+backward is two programs, whose backward takes abstract residuals, so
+    attention takes it for the forward only."""
+    import jax
+    import jax.numpy as jnp
+
+    if spec.op == "attention" and spec.passes != "fwd":
+        raise ValueError("inside_projections: attention programs are forward only")
+    head_major = spec.impl.startswith("jax_flash") and spec.impl != "jax_flash_bthd"
+    bf16 = jnp.bfloat16
+    first = args[0].shape
+    b, t = (first[0], first[2]) if head_major else first[:2]
+    width = math.prod(first[1:]) // t
+    x = jax.ShapeDtypeStruct((b, t, width), bf16)
+    weights = [jax.ShapeDtypeStruct((width, math.prod(a.shape) // (b * t)), bf16)
+               for a in args]
+    project_output = spec.passes == "fwd_bwd"
+
+    def layer(x, *ws):
+        inputs = []
+        for a, w in zip(args, ws[:len(args)]):
+            y = x @ w
+            if a.dtype == jnp.float32:
+                y = jax.nn.log_sigmoid(y.astype(jnp.float32))
+            if head_major:
+                inputs.append(jnp.swapaxes(y.reshape(b, t, a.shape[1], a.shape[3]), 1, 2))
+            else:
+                inputs.append(y.reshape(a.shape))
+        out = fn(*inputs)
+        return out.reshape(b, t, -1) @ ws[-1] if project_output else out
+
+    if project_output:
+        out_width = math.prod(jax.eval_shape(fn, *args).shape) // (b * t)
+        weights.append(jax.ShapeDtypeStruct((out_width, width), bf16))
+    return layer, (x, *weights)
 
 
 _ENTRY_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\(")

@@ -120,3 +120,31 @@ def test_a_lower_bound_gets_no_twins_pass(monkeypatch):
                         lambda *a: pytest.fail("a lower bound lists its unprofiled ops already"))
     spec = tpu_static.Spec("gla", "gla_tpu", (1, 4096, 8, 128, 128, "key", "chunk"), "v5e", "fwd")
     assert "cycles_with_twins" not in tpu_static.profile(spec)
+
+
+# "Inside projections" (docs/benchmarks.md): the kernels' arguments projected from one x, as a
+# layer calls them; the programs must trace, and an attention forward+backward is refused.
+@pytest.mark.parametrize("op,impl,shape,passes", [
+    ("gla", "gla_tpu", (1, 256, 2, 128, 128, "key", "chunk"), "fwd_bwd"),
+    ("attention", "gla_tpu", (1, 2, 1024, 128, True), "fwd"),
+    ("attention", "jax_flash", (1, 2, 1024, 128, True), "fwd")])
+def test_inside_projections_programs_trace(op, impl, shape, passes):
+    import jax
+
+    from bench.tpu_static import Spec, _program
+    from gla_tpu.testing.tpu_compile import targeting
+
+    spec = Spec(op, impl, shape, "v6e", passes, (("inside_projections", True),))
+    fn, args = _program(spec)
+    assert args[0].shape[:2] == ((1, 256) if op == "gla" else (1, 1024))
+    with targeting("v6e"):
+        jax.jit(fn).trace(*args)
+
+
+def test_inside_projections_refuses_an_attention_backward():
+    from bench.tpu_static import Spec, _program
+
+    spec = Spec("attention", "gla_tpu", (1, 2, 1024, 128, True), "v6e", "fwd_bwd",
+                (("inside_projections", True),))
+    with pytest.raises(ValueError, match="forward only"):
+        _program(spec)
