@@ -77,6 +77,14 @@ class Spec:
     passes: str  # "fwd", "fwd_bwd"; "bwd": part of our attention's fwd_bwd
     options: tuple = ()  # (name, value) pairs, e.g. JAX flash block sizes
 
+    def __post_init__(self):
+        # Our attention's forward+backward is two programs, the backward on abstract residuals,
+        # so a layer's projections can wrap the forward only (`_inside_projections`).
+        if (dict(self.options).get("inside_projections") and self.op == "attention"
+                and self.passes != "fwd"):
+            raise ValueError(f"Spec.options ('inside_projections', True): attention programs "
+                             f"are forward only; got passes={self.passes!r}.")
+
     @property
     def key(self) -> str:
         opts = "".join(f"_{k}{v}" for k, v in self.options)
@@ -174,11 +182,12 @@ def _our_attention_blocks(opts: dict, spec: Spec):
     ("defaults_with", [[field, value], ...]) option (the generation's default tiles with those
     fields replaced); None = defaults."""
     from gla_tpu.ops.attention.mosaic_tpu import plan
+    from gla_tpu.ops.common.tpu import target_tpu_info
     from gla_tpu.testing.tpu_compile import targeting
 
     if "defaults_with" in opts:
         with targeting(spec.generation):
-            sizes = plan.BlockSizes.default(spec.shape[3], plan._target_mxu_width())
+            sizes = plan.target_default_blocks(spec.shape[3], target_tpu_info())
         return dataclasses.replace(sizes, **dict(opts["defaults_with"]))
     return plan.BlockSizes(**dict(opts["blocks"])) if "blocks" in opts else None
 
@@ -190,8 +199,6 @@ def _attention_backward_program(spec: Spec):
     libtpu's profiler aborts on our kernels where XLA places their outputs in VMEM, as it does
     inside a whole forward+backward program; here the kernels' outputs are the program's
     (docs/benchmarks.md)."""
-    if dict(spec.options).get("inside_projections"):
-        raise ValueError("inside_projections: attention programs are forward only")
     import jax
     import jax.numpy as jnp
 
@@ -306,14 +313,11 @@ def _inside_projections(spec: Spec, fn, args):
     (x @ w).reshape, JAX flash_attention's [B, H, T, D] ones transposed after that, float32 ones
     (GLA's log gates) as log_sigmoid of the product. In a forward+backward program the output
     [B, T, H, V] is projected back to M too, as a training step's loss sees it. The option
-    ("inside_projections", True) asks for it (docs/benchmarks.md, "Inside projections"); our
-    attention's forward+backward is two programs, whose backward takes abstract residuals, so
-    attention takes it for the forward only."""
+    ("inside_projections", True) asks for it (docs/benchmarks.md, "Inside projections"); for
+    attention, forward programs only (`Spec` refuses the others)."""
     import jax
     import jax.numpy as jnp
 
-    if spec.op == "attention" and spec.passes != "fwd":
-        raise ValueError("inside_projections: attention programs are forward only")
     head_major = spec.impl.startswith("jax_flash") and spec.impl != "jax_flash_bthd"
     bf16 = jnp.bfloat16
     first = args[0].shape

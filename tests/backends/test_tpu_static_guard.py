@@ -141,10 +141,10 @@ def test_inside_projections_programs_trace(op, impl, shape, passes):
         jax.jit(fn).trace(*args)
 
 
-def test_inside_projections_refuses_an_attention_backward():
-    from bench.tpu_static import Spec, _program
+@pytest.mark.parametrize("passes", ["fwd_bwd", "bwd"])
+def test_inside_projections_refuses_an_attention_backward(passes):
+    from bench.tpu_static import Spec
 
-    spec = Spec("attention", "gla_tpu", (1, 2, 1024, 128, True), "v6e", "fwd_bwd",
-                (("inside_projections", True),))
     with pytest.raises(ValueError, match="forward only"):
-        _program(spec)
+        Spec("attention", "gla_tpu", (1, 2, 1024, 128, True), "v6e", passes,
+             (("inside_projections", True),))
