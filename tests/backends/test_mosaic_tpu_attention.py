@@ -84,6 +84,22 @@ def test_default_blocks_fit_the_smallest_default_vmem_limit(d, itemsize, bound):
         assert est <= bound, (kind, est)
 
 
+def test_d256_forward_tiles_follow_the_chips_vmem():
+    """On 128-wide MXUs the D = 256 forward takes 1024 x 1024 tiles where the chip has 64 MiB of
+    VMEM or more (v5e, v5p), 512 x 512 on v4's 16 MiB; the backward and D <= 128 keep theirs."""
+    mib = 2**20
+    small, large = BlockSizes.default(256, 128, 16 * mib), BlockSizes.default(256, 128, 64 * mib)
+    assert (small.block_q, small.block_kv, small.block_kv_compute) == (512, 512, 256)
+    assert (large.block_q, large.block_kv, large.block_kv_compute) == (1024, 1024, 256)
+    assert (large.block_q_dq, large.block_kv_dq, large.block_q_dkv, large.block_kv_dkv) == (
+        512, 512, 512, 512)
+    assert BlockSizes.default(128, 128, 128 * mib) == BlockSizes.default(128)
+    # 13.2 MiB in float32 with segment ids, under the 16 MiB default scoped limit of v5e and v5p
+    # (it compiles there: test_tpu_compile.py, float32 D = 256)
+    est = vmem_estimate_bytes("fwd", 1024, 1024, 256, 4, block_kv_compute=256, segments=True)
+    assert est <= int(0.85 * 16 * mib), est
+
+
 # The forward on the API's layout (plan.forward_reads_rows, kernels.flash_forward_rows).
 
 

@@ -23,6 +23,11 @@ _BLOCK_FIELDS = (
 )
 
 
+# VMEM from which a chip with 128-wide MXUs takes the D = 256 forward in 1024 x 1024 tiles
+# (BlockSizes.default): v5e (128 MiB) and v5p (64 MiB), not v4 (16 MiB).
+_LARGE_VMEM_BYTES = 64 * 2**20
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes of the three kernels (performance only; results do not depend on them).
@@ -104,17 +109,24 @@ class BlockSizes:
                 )
 
     @classmethod
-    def default(cls, head_dim: int, mxu_width: int | None = None) -> "BlockSizes":
+    def default(cls, head_dim: int, mxu_width: int | None = None,
+                vmem_bytes: int | None = None) -> "BlockSizes":
         """Defaults that compile for v4, v5e, v5p, v6e and 7x in bfloat16 within the default
-        scoped VMEM limit (docs/attention_mosaic_tpu.md has the footprints). On chips with
-        256-wide MXUs (v6e, 7x) all three kernels take 1024 x 1024 tiles: libtpu's static
-        estimate puts the forward's 13-30% below 512 x 512 there, and the backward's cut
+        scoped VMEM limit (docs/attention_mosaic_tpu.md has the footprints), for a chip with
+        `mxu_width`-wide MXUs and `vmem_bytes` of VMEM (None: unknown, e.g. off a TPU). On
+        chips with 256-wide MXUs (v6e, 7x) all three kernels take 1024 x 1024 tiles: libtpu's
+        static estimate puts the forward's 13-30% below 512 x 512 there, and the backward's cut
         forward+backward by 9% (D 128) to 31% (D 256) (docs/benchmarks.md). On 128-wide MXUs
-        the tiles are 512 x 512, the forward's p @ v in 256-key steps at D = 256."""
+        the tiles are 512 x 512, the forward's p @ v in 256-key steps at D = 256; there, on
+        chips with 64 MiB of VMEM or more (v5e, v5p; not v4's 16), the D = 256 forward takes
+        1024 x 1024 tiles too (5-11% fewer cycles by the estimate, docs/benchmarks.md, "D = 256
+        forward tiles on 128-wide MXUs")."""
         sizes = cls() if head_dim <= 128 else cls(block_kv_compute=256)
         if mxu_width is not None and mxu_width >= 256:
             sizes = dataclasses.replace(sizes, block_kv_compute=None, **{
                 name: 1024 for name in _BLOCK_FIELDS})
+        elif head_dim > 128 and vmem_bytes is not None and vmem_bytes >= _LARGE_VMEM_BYTES:
+            sizes = dataclasses.replace(sizes, block_q=1024, block_kv=1024)
         return sizes
 
 
@@ -168,10 +180,12 @@ def _block_cap(length: int) -> int:
     return BLOCK_MULTIPLE * (1 << max(0, math.ceil(math.log2(-(-length // BLOCK_MULTIPLE)))))
 
 
-def _target_mxu_width() -> int | None:
-    """The MXU width of the TPU being compiled for; None where there is none (CPU)."""
-    info = target_tpu_info()
-    return None if info is None else info.mxu_column_size
+def target_default_blocks(head_dim: int, info) -> BlockSizes:
+    """`BlockSizes.default` for the TPU `info` (a `pltpu.TpuInfo`, e.g. `target_tpu_info()`;
+    None: no TPU, e.g. interpret mode)."""
+    if info is None:
+        return BlockSizes.default(head_dim)
+    return BlockSizes.default(head_dim, info.mxu_column_size, info.vmem_capacity_bytes)
 
 
 # Chips whose forward takes the row sums on the MXU by default (BlockSizes.row_sum_on_mxu): the
@@ -203,9 +217,8 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
     rows_kernels=False keeps every kernel head-major (ring attention's blocks)."""
     bs = block_sizes
     info = None if interpret else target_tpu_info()
-    mxu_width = None if info is None else info.mxu_column_size
     if bs is None:
-        bs = BlockSizes.default(problem.head_dim, mxu_width)
+        bs = target_default_blocks(problem.head_dim, info)
     q_cap, kv_cap = _block_cap(problem.q_len), _block_cap(problem.kv_len)
     bq, bq_dq, bq_dkv = (min(b, q_cap) for b in (bs.block_q, bs.block_q_dq, bs.block_q_dkv))
     bkv, bkv_dq, bkv_dkv = (min(b, kv_cap) for b in (bs.block_kv, bs.block_kv_dq,
