@@ -27,6 +27,24 @@ def test_every_causal_pair_has_one_level():
     assert sorted(np.unique(levels[x < r]).tolist()) == list(range(6))
 
 
+# The kernels' exponents are range sums R g of the gates, R read from pair_levels.range_matrices:
+# a level-L pair (r, x) takes row r's and row x's sums of R_L, which must add up to b_r - b_x;
+# the prefix and suffix rows give b_t and b_last - b_t.
+def test_range_matrices_sum_the_exponents():
+    chunk = 64
+    g = np.random.default_rng(0).standard_normal(chunk)
+    b = np.cumsum(g)
+    levels = pair_levels.level_of_pairs(chunk)
+    r, x = np.nonzero(levels >= 0)
+    for level in range(pair_levels.num_levels(chunk)):
+        sums = pair_levels.range_matrices([f"level{level}"], chunk)[0] @ g
+        on = levels[r, x] == level
+        np.testing.assert_allclose(sums[r[on]] + sums[x[on]], b[r[on]] - b[x[on]], atol=1e-12)
+    prefix, suffix = pair_levels.range_matrices(["prefix", "suffix"], chunk) @ g
+    np.testing.assert_allclose(prefix, b, atol=1e-12)
+    np.testing.assert_allclose(suffix, b[-1] - b, atol=1e-12)
+
+
 @pytest.mark.parametrize("strength", [1.0, 1e-3])
 def test_scores_by_levels_match_the_direct_decay(strength):
     key = jax.random.key(0)
@@ -164,3 +182,4 @@ GPU_CASES = [
 def test_gpu_parity(case, dtype):
     check_gla_parity(case, jax.random.key(7), dtype=dtype, backend="pallas_gpu",
                      block_sizes=PAIR_LEVELS)
+

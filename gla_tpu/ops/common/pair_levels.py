@@ -58,6 +58,32 @@ def level_of_pairs(chunk: int) -> np.ndarray:
     return out
 
 
+def exponent_range(name: str, chunk: int):
+    """(lo, hi) [C] int: row t's exponent is the gates summed over the tokens s, lo_t < s <= hi_t.
+    name: "level<L>" (F_L's: (m, t] on a level's upper rows, (t, m] on its lower rows, m the
+    separator), "prefix" (b_t: [0, t]), "suffix" (b_last - b_t: (t, C)), "before" (s < t) or
+    "at_or_after" (s >= t)."""
+    t = np.arange(chunk)
+    if name.startswith("level"):
+        level = int(name[len("level"):])
+        m, up = separator(t, level), is_upper(t, level)
+        return np.where(up, m, t), np.where(up, t, m)
+    bounds = {"prefix": (t * 0 - 1, t), "suffix": (t, t * 0 + chunk - 1),
+              "before": (t * 0 - 1, t - 1), "at_or_after": (t - 1, t * 0 + chunk - 1)}
+    return bounds[name]
+
+
+def range_matrices(names, chunk: int) -> np.ndarray:
+    """[len(names), C, C] float32 0/1: R[t, s] = 1 where s is in row t's range (`exponent_range`),
+    so R @ g sums the gates g over each row's range."""
+    s = np.arange(chunk)[None, :]
+    out = []
+    for name in names:
+        lo, hi = exponent_range(name, chunk)
+        out.append(((s > lo[:, None]) & (s <= hi[:, None])).astype(np.float32))
+    return np.stack(out)
+
+
 def scores_by_levels(q, k, b, operand_dtype):
     """The unscaled intra-chunk scores [.., C, C] (causal, diagonal included) computed level by
     level as the kernels do: factors in float32, operands rounded to `operand_dtype`, float32

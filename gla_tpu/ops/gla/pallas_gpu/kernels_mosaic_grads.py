@@ -25,9 +25,12 @@ pass (kernels_mosaic_state.py), which also computes dv.
 
 Shared memory: q, k, the gates (float16), their range matrix and dA stay for the whole block; a
 pool of eight [64, 64] 16-bit tiles holds v, do, h_n, dh_{n+1} (a ring of two stages over the
-value tiles of 64) for the first products, then dA_L and the level operands, and (bfloat16
-inputs) the parts of the dg sums and their range matrix in its second half. 104 KiB with bfloat16
-inputs: two blocks per SM (float16: four more bfloat16 tiles).
+value tiles of 64) for the first products, then dA_L and the level operands (two pairs of tiles,
+by level parity, so a level waits for no other warp before it writes them), and (bfloat16 inputs)
+the parts of the dg sums and their range matrix in its second half. 104 KiB with bfloat16
+inputs: two blocks per SM (float16: four more bfloat16 tiles). The range matrices come from
+global memory, each copied while the products of the one before run
+(kernels_mosaic_levels.range_constants).
 """
 
 from __future__ import annotations
@@ -54,23 +57,24 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     iota,
     level_operand,
     level_pairs,
-    level_range,
+    load_f32,
     load_gates,
-    load_slab,
     matmul,
     operands_released,
-    at_or_after_range,
-    before_range,
-    prefix_range,
+    range_constants,
     range_sums,
     rows,
-    set_ranges,
-    suffix_range,
     upper_rows,
 )
 
 VALUE_TILES = 8  # V up to 512, in tiles of 64 columns (through a ring of two stages)
 POOL = 8  # [64, 64] tiles shared by the three phases
+# The range matrices of the gate sums, in the order the kernel reads them: b and b_last - b, one
+# per level (GATE_DTYPE, against the gates), then the dg sums' s < t and s >= t (bfloat16,
+# against the bfloat16 parts of their operands)
+GATE_RANGES = ("prefix", "suffix") + tuple(
+    f"level{level}" for level in range(pair_levels.num_levels(CHUNK)))
+DG_RANGES = ("before", "at_or_after")
 
 
 def bf16_parts(x):
@@ -113,18 +117,37 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     shape = (c, SLAB)
     per_head = g.ndim == 3
 
-    def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, dq_ref,
-             dk_ref, dg_ref, q_s, k_s, gates, ranges, da_s, pool, vecs, loaded, tile_loaded,
-             *extra):
+    def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, gr_ref,
+             dgr_ref, dq_ref, dk_ref, dg_ref, q_s, k_s, gates, ranges, da_s, pool, vecs, loaded,
+             tile_loaded, ranges_in, *extra):
         # per-head gates: the chunk's gates in, then its dg summed over the slab's keys out
         head_vec = extra[0] if per_head else None
         # bfloat16 tiles: the parts of the dg sums and their range matrix; within the pool (its
         # value-tile half, free after the first products) for bfloat16 inputs
         bpool = extra[-1] if dtype != BF16 else pool.at[4:8]
+        dg_ranges = bpool.at[3]  # the dg sums' range matrices (bfloat16)
         flat, head, batch = (lax.axis_index(x) for x in ("chunk_slab", "head", "batch"))
         chunk, slab = lax.div(flat, jnp.int32(slabs)), lax.rem(flat, jnp.int32(slabs))
         kcols = pl.ds(slab * SLAB, SLAB)
         tokens = (batch, pl.ds(chunk * c, c), head)
+
+        def fetch_ranges(i):
+            """Range matrix i of GATE_RANGES + DG_RANGES into its buffer (arriving on
+            `ranges_in`, one in flight at a time), once every warp is past the products that
+            read the buffer's last one."""
+            def gate_ranges():
+                plgpu.copy_gmem_to_smem(gr_ref.at[i], ranges, ranges_in)
+
+            def dg_ranges_():
+                plgpu.copy_gmem_to_smem(dgr_ref.at[i - len(GATE_RANGES)], dg_ranges, ranges_in)
+
+            if isinstance(i, int):
+                (gate_ranges if i < len(GATE_RANGES) else dg_ranges_)()
+            else:  # a level's: the next level's, or after the last the dg sums' first
+                pl.when(i < len(GATE_RANGES))(gate_ranges)
+                pl.when(i >= len(GATE_RANGES))(dg_ranges_)
+
+        fetch_ranges(0)
         for src, dst in ((q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
                          (last_ref.at[batch, chunk, head, kcols], vecs.at[0]),
                          (term_ref.at[batch, chunk, head, kcols], vecs.at[1])):
@@ -141,7 +164,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
 
         for j in range(min(vtiles, 2)):
             load_tile(j)
-        load_gates(g_ref, tokens, (kcols,), gates, 1, loaded, head_vec)
+        load_gates(g_ref, tokens, kcols, gates, loaded, head_vec)
 
         # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T, summed over value tiles
         da = q_inter = k_inter = None
@@ -159,33 +182,41 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         diag = rows(_diagonal(da), shape)
         da_s[...] = da.astype(dtype)
 
-        # the inter-chunk parts, weighted by exp(b) and exp(b_last - b)
-        set_ranges(ranges, prefix_range(c), c, interpret=interpret)  # after the products above
-        q_f, k_f = (plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32) for ref in (q_s, k_s))
-        q_inter = q_inter * (jnp.exp2(range_sums(ranges, gates, 0, interpret=interpret)) * scale)
+        # the inter-chunk parts, weighted by exp(b) and exp(b_last - b); each range matrix is
+        # fetched once every warp is past the sums of the one before
+        plgpu.barrier_wait(ranges_in)  # prefix
+        prefix = range_sums(ranges, gates, interpret=interpret)
+        operands_released(interpret=interpret)
+        fetch_ranges(1)
+        q_f, k_f = load_f32(q_s), load_f32(k_s)
+        q_inter = q_inter * (jnp.exp2(prefix) * scale)
         grad_q = q_inter + diag * k_f
         cancel = q_f * q_inter  # Dq's inter part
-        set_ranges(ranges, suffix_range(c), c, interpret=interpret)
-        k_inter = k_inter * jnp.exp2(range_sums(ranges, gates, 0, interpret=interpret))
+        plgpu.barrier_wait(ranges_in)  # suffix
+        suffix = range_sums(ranges, gates, interpret=interpret)
+        operands_released(interpret=interpret)
+        fetch_ranges(2)
+        k_inter = k_inter * jnp.exp2(suffix)
         grad_k = k_inter + diag * q_f
         y_parts = [bpool.at[i] for i in range(3)]  # Y = k dk_inter, summed over s < t at the end
         store_parts(k_f * k_inter, y_parts)
 
-        # the levels: one factor, one masked dA_L, a product for each side
-        da_level, ops = pool.at[0], pool.at[1]
-
+        # the levels: one factor, one masked dA_L, a product for each side; dA_L and X in two
+        # pairs of pool tiles (free after the first products), by level parity: the pair the
+        # level before last read is free, as every warp has passed the last level's commit
         def level_step(level, carry):
             grad_q, grad_k, cancel = carry
-            # after the last level's wgmmas, which read the pool
-            set_ranges(ranges, level_range(level, c), c, interpret=interpret)
-            factor = jnp.exp2(range_sums(ranges, gates, 0, interpret=interpret))
+            plgpu.barrier_wait(ranges_in)  # the level's range matrix
+            factor = jnp.exp2(range_sums(ranges, gates, interpret=interpret))
             # X: q F_L on upper rows, k F_L on lower rows (level_operand)
-            op = level_operand(load_slab(q_s, 0), load_slab(k_s, 0), factor,
-                               upper_rows(level, shape), dtype)
+            op = level_operand(q_s, k_s, factor, upper_rows(level, shape))
+            parity = 2 * lax.rem(level, 2)
+            da_level, ops = pool.at[parity], pool.at[parity + 1]
             ops[...] = op
             da16 = plgpu.load(da_s, layout=plgpu.Layout.WGMMA)
             da_level[...] = jnp.where(level_pairs(level, c), da16, jnp.zeros_like(da16))
-            plgpu.commit_smem()
+            plgpu.commit_smem()  # also: every warp is past this level's range sums
+            fetch_ranges(level + 3)
             # dA_L has the level's pairs only (upper rows r, lower columns x): dA_L X reads X's
             # lower rows (k F_L) and is 0 off the upper rows, dA_L^T X the reverse; so X
             # weights each side's Dq / Dk terms with that side's own rounded operand
@@ -199,15 +230,18 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))
 
         # dg = sum_{s < t} Y_s + e^(b_last) term + sum_{s >= t} cancel_s
-        ranges = bpool.at[3]  # bfloat16, as the parts
-        set_ranges(ranges, before_range(c), c, interpret=interpret)
         state = cols(jnp.exp(plgpu.load(vecs.at[0], layout=COL))
                      * plgpu.load(vecs.at[1], layout=COL), shape)
-        dg = matmul([(ranges, part) for part in y_parts], shape, interpret=interpret, init=state)
-        set_ranges(ranges, at_or_after_range(c), c, interpret=interpret)
+        plgpu.barrier_wait(ranges_in)  # before (fetched by the last level)
+        dg = matmul([(dg_ranges, part) for part in y_parts], shape, interpret=interpret,
+                    init=state)
+        operands_released(interpret=interpret)  # the range matrix and the parts are read
+        fetch_ranges(len(GATE_RANGES) + 1)
         store_parts(cancel, y_parts)
         plgpu.commit_smem()
-        dg = matmul([(ranges, part) for part in y_parts], shape, interpret=interpret, init=dg)
+        plgpu.barrier_wait(ranges_in)  # at or after
+        dg = matmul([(dg_ranges, part) for part in y_parts], shape, interpret=interpret,
+                    init=dg)
         if per_head:
             head_vec[...] = jnp.sum(dg, axis=1)
         else:
@@ -225,7 +259,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     scratch = [
         tile,  # q's slab, then dq
         tile,  # k's slab, then dk
-        plgpu.SMEM((1, c, SLAB), GATE_DTYPE, transforms=SWIZZLED),  # g log2(e)
+        plgpu.SMEM((c, SLAB), GATE_DTYPE, transforms=SWIZZLED),  # g log2(e)
         plgpu.SMEM((c, c), GATE_DTYPE, transforms=SWIZZLED),  # the gates' range matrices
         plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
         plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
@@ -233,6 +267,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         # q, k, b_last, the state term (, per-head gates)
         plgpu.Barrier(num_arrivals=5 if per_head else 4),
         plgpu.Barrier(num_arrivals=4, num_barriers=2),  # a value tile's four, per ring stage
+        plgpu.Barrier(),  # a range matrix is in
     ]
     if per_head:
         scratch.append(plgpu.SMEM((c,), F32))
@@ -252,7 +287,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
     )
     with jax.named_scope(f"gla_grads_mosaic_key_dim={kd}"):
-        dq, dk, dg = kernel(q, k, v, do, head_major_gates(g), last, h_hi, dh, term)
+        dq, dk, dg = kernel(q, k, v, do, head_major_gates(g), last, h_hi, dh, term,
+                            range_constants(GATE_RANGES), range_constants(DG_RANGES, BF16))
     if per_head:
         dg = jnp.swapaxes(jnp.sum(dg, axis=1), 1, 2)  # [B, Tp, H]
     return dq, dk, dg

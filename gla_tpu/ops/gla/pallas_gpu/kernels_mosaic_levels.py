@@ -9,10 +9,13 @@ ever positive. This module holds what the forward's `prep` kernel and the backwa
 Exponents as range sums. Every exponent the kernels take is a sum of gates over a range of the
 chunk's tokens: F_L's is g summed over (m, t] on a level's upper rows and over (t, m] on its
 lower rows (m the separator), b_t = g summed over [0, t], b_last - b_t over (t, C). So each is one
-product on the tensor cores, E = R g, with R a [C, C] 0/1 range matrix built from the row index
-(and the level, a loop index: one loop body serves the six levels, which keeps the code within
-the instruction cache) and g rounded once to float16 (11 significand bits, R exact: an exponent
-E is off by at most 2^-11 |E|, docs/gla_math.md, "Exponents as range sums"). The gates are stored
+product on the tensor cores, E = R g, with R a [C, C] 0/1 range matrix and g rounded once to
+float16 (11 significand bits, R exact: an exponent E is off by at most 2^-11 |E|,
+docs/gla_math.md, "Exponents as range sums"). The range matrices do not depend on the data
+(pair_levels.range_matrices): the kernels copy each from global memory (L2, after the first
+block) into one shared-memory tile while the products of the one before run, so no instruction
+builds them, and the level is a loop index (one loop body serves the six levels, which keeps the
+code within the instruction cache). The gates are stored
 times log2(e), so every weight is one exp2 of a range sum (exp would add a multiply per element),
 and floored at GATE_FLOOR, within float16's range. The kernels take the gates g themselves: no
 cumulative sum precedes them.
@@ -25,7 +28,8 @@ cumulative sum precedes them.
 
 A [B, Tp, H, C], qd and kd [B, Tp, H, K] in the input dtype and last [B, N, H, K] float32 feed
 the chunk-serial state pass (kernels_mosaic_state.py). One block per (chunk, head, batch), one
-warpgroup; key columns in slabs of 64 (the registers a slab's factors need).
+warpgroup; key columns in slabs of 64 (the registers a slab's factors need). (One warpgroup per
+slab, two or four to a block, was slower: docs/gpu_backend.md, "Range matrices from memory".)
 """
 
 from __future__ import annotations
@@ -127,64 +131,15 @@ def operands_released(*, interpret: bool):
         plgpu.commit_smem()
 
 
-def load_slab(ref, slab: int, dtype=F32):
-    """Slab `slab` ([C, SLAB]) of a swizzled [C, K] tile, as registers in `dtype`."""
-    return plgpu.load(ref.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA).astype(dtype)
-
-
-def range_matrix(lo, hi, chunk: int, dtype=GATE_DTYPE):
-    """[C, C] 0/1 in `dtype`: row t keeps the columns s with lo_t < s <= hi_t (lo, hi [C] int32,
-    ROW layout). R @ g sums g over each row's range."""
-    shape = (chunk, chunk)
-    s = iota(shape, 1)
-    keep = jnp.logical_and(s > rows(lo, shape), s <= rows(hi, shape))
-    return jnp.where(keep, full(shape, 1.0), full(shape, 0.0)).astype(dtype)
+def load_f32(ref):
+    """A [C, SLAB] 16-bit shared-memory tile as float32 registers (WGMMA layout)."""
+    return plgpu.load(ref, layout=WGMMA).astype(F32)
 
 
 def is_upper(t, level):
     """t (int32 >= 0) in the upper half of its level-`level` block, as int32 0/1; `level` may be
     a loop index."""
     return (t >> level) & 1
-
-
-def level_range(level, chunk: int):
-    """(lo, hi) of the level's exponent ranges: (m, t] on upper rows, (t, m] on lower rows."""
-    t = row_index(chunk)
-    m = ((t >> (level + 1)) << (level + 1)) + (jnp.int32(1) << level) - 1
-    up = is_upper(t, level) == 1
-    return jnp.where(up, m, t), jnp.where(up, t, m)
-
-
-def prefix_range(chunk: int):
-    """(lo, hi) of b_t: [0, t]."""
-    t = row_index(chunk)
-    return t - t - 1, t
-
-
-def suffix_range(chunk: int):
-    """(lo, hi) of b_last - b_t: (t, C)."""
-    t = row_index(chunk)
-    return t, t - t + (chunk - 1)
-
-
-def before_range(chunk: int):
-    """(lo, hi) of the tokens s < t."""
-    t = row_index(chunk)
-    return t - t - 1, t - 1
-
-
-def at_or_after_range(chunk: int):
-    """(lo, hi) of the tokens s >= t."""
-    t = row_index(chunk)
-    return t - 1, t - t + (chunk - 1)
-
-
-def set_ranges(ranges_smem, bounds, chunk: int, *, interpret: bool):
-    """The range matrix of `bounds` (lo, hi) into ranges_smem (in its dtype), once every warp is
-    past the last one's products, committed for the tensor cores."""
-    operands_released(interpret=interpret)
-    ranges_smem[...] = range_matrix(*bounds, chunk, ranges_smem.dtype)
-    plgpu.commit_smem()
 
 
 def level_pairs(level, chunk: int):
@@ -206,39 +161,37 @@ def _rounded(g, with_rest: bool):
     return hi, ((g - hi.astype(F32)).astype(GATE_DTYPE) if with_rest else None)
 
 
-def store_gates(g_view, gates, slabs: int, rest=None):
-    """A chunk's gates, times LOG2E, into gates [slabs, C, SLAB] (GATE_DTYPE) and, where `rest` is
-    given, the rounding's remainder into rest (the two sum to g log2(e) within 2^-22), through
-    registers. g_view: per-key gates [C, slabs * SLAB] (a float32 view of global memory), or
-    per-head gates [C] (a float32 vector in shared memory), the same gate for every key."""
-    per_head = len(g_view.shape) == 1
-    if per_head:  # rounded once, stored in every slab
-        parts = _rounded(rows(plgpu.load(g_view, layout=ROW) * LOG2E, (CHUNK, SLAB)),
-                         rest is not None)
-    for slab in range(slabs):
-        if not per_head:
-            parts = _rounded(plgpu.load(g_view.at[:, pl.ds(slab * SLAB, SLAB)], layout=WGMMA,
-                                        optimized=False) * LOG2E, rest is not None)
-        for buf, part in zip((gates, rest), parts):
-            if buf is not None:
-                buf.at[slab][...] = part
+def store_gates(g_view, gates, rest=None):
+    """A slab's gates, times LOG2E, into gates [C, SLAB] (GATE_DTYPE) and, where `rest` is given,
+    the rounding's remainder into rest (the two sum to g log2(e) within 2^-22), through
+    registers. g_view: per-key gates [C, SLAB] (a float32 view of global memory), or per-head
+    gates [C] (a float32 vector in shared memory), the same gate for every key."""
+    if len(g_view.shape) == 1:  # rounded once per row, then broadcast
+        g = rows(plgpu.load(g_view, layout=ROW) * LOG2E, (CHUNK, SLAB))
+    else:
+        g = plgpu.load(g_view, layout=WGMMA, optimized=False) * LOG2E
+    for buf, part in zip((gates, rest), _rounded(g, rest is not None)):
+        if buf is not None:
+            buf[...] = part
 
 
-def load_gates(g_ref, tokens, key_cols, gates, slabs: int, loaded, head_vec, rest=None):
-    """A block's gates into `gates` (and `rest`; `store_gates`), then the wait on the block's
-    other loads (barrier `loaded`). tokens = (batch, the chunk's rows, head). Per-key gates
-    (head_vec None): g_ref [B, Tp, H, K], the slabs `key_cols` (a tuple of one pl.ds, or empty for
-    all K) read while those loads fly. Per-head gates: g_ref [B, H, Tp] (`head_major_gates`), the
-    chunk's gates copied into head_vec ([C] float32 shared memory) as one more arrival on
-    `loaded`."""
+def load_gates(g_ref, tokens, key_cols, gates, loaded, head_vec, rest=None, wait=True):
+    """A slab's gates into `gates` (and `rest`; `store_gates`), and the wait on the block's other
+    loads (barrier `loaded`; only where `wait`: a block's first slab). tokens = (batch, the
+    chunk's rows, head). Per-key gates (head_vec None): g_ref [B, Tp, H, K], the slab's columns
+    `key_cols` (a pl.ds) read while those loads fly. Per-head gates: g_ref [B, H, Tp]
+    (`head_major_gates`), the chunk's gates copied into head_vec ([C] float32 shared memory) by
+    the first slab, as one more arrival on `loaded`."""
     batch, chunk_rows, head = tokens
     if head_vec is None:
-        store_gates(g_ref.at[tokens + key_cols], gates, slabs, rest)
-        plgpu.barrier_wait(loaded)
+        store_gates(g_ref.at[tokens + (key_cols,)], gates, rest)
+        if wait:
+            plgpu.barrier_wait(loaded)
         return
-    plgpu.copy_gmem_to_smem(g_ref.at[batch, head, chunk_rows], head_vec, loaded)
-    plgpu.barrier_wait(loaded)
-    store_gates(head_vec, gates, slabs, rest)
+    if wait:
+        plgpu.copy_gmem_to_smem(g_ref.at[batch, head, chunk_rows], head_vec, loaded)
+        plgpu.barrier_wait(loaded)
+    store_gates(head_vec, gates, rest)
 
 
 def head_major_gates(g):
@@ -247,10 +200,11 @@ def head_major_gates(g):
     return jnp.swapaxes(g, 1, 2) if g.ndim == 3 else g
 
 
-def range_sums(ranges_smem, gates, slab: int, *, interpret: bool, rest=None):
+def range_sums(ranges_smem, gates, *, interpret: bool, rest=None):
     """[C, SLAB] float32: R @ g log2(e) (a base-2 exponent) for R in ranges_smem ([C, C]
-    GATE_DTYPE, committed) and the slab's gates (`store_gates`), plus R @ rest where given."""
-    pairs = [(ranges_smem, x.at[slab]) for x in (gates, rest) if x is not None]
+    GATE_DTYPE, committed) and a slab's gates [C, SLAB] (`store_gates`), plus R @ rest where
+    given."""
+    pairs = [(ranges_smem, x) for x in (gates, rest) if x is not None]
     return matmul(pairs, (CHUNK, SLAB), interpret=interpret)
 
 
@@ -259,13 +213,27 @@ def upper_rows(level, shape):
     return rows(is_upper(row_index(shape[0]), level) == 1, shape)
 
 
-def level_operand(q, k, factor, upper, dtype):
-    """X = q F_L on the level's upper rows and k F_L on its lower rows, in dtype: one operand for
-    both sides of the level's products. A level pair joins an upper row r (its q) and a lower
+def level_operand(q_tile, k_tile, factor, upper):
+    """X = q F_L on the level's upper rows and k F_L on its lower rows, in q's dtype: one operand
+    for both sides of the level's products. A level pair joins an upper row r (its q) and a lower
     row x (its k), so X X^T holds every pair's (q_r F_r) . (k_x F_x), and the products are
     masked to the level's pairs (`level_pairs`) afterwards; X's other pairs are finite (F_L <= 1
-    on every row: its exponent is a sum of gates), which the mask needs."""
-    return (jnp.where(upper, q, k) * factor).astype(dtype)
+    on every row: its exponent is a sum of gates), which the mask needs. q_tile, k_tile: [C, SLAB]
+    16-bit shared-memory tiles; the rows are chosen on the 16-bit values (two to a register),
+    then converted once."""
+    chosen = jnp.where(upper, plgpu.load(q_tile, layout=WGMMA), plgpu.load(k_tile, layout=WGMMA))
+    return (chosen.astype(F32) * factor).astype(q_tile.dtype)
+
+
+# The range matrices prep reads, in the order it reads them: one per level, then b and b_last - b
+PREP_RANGES = tuple(f"level{level}" for level in range(pair_levels.num_levels(CHUNK))) + (
+    "prefix", "suffix")
+
+
+def range_constants(names, dtype=GATE_DTYPE):
+    """[len(names), C, C] 0/1 in `dtype` (pair_levels.range_matrices): the kernels copy them from
+    global memory (where every block finds them in L2) instead of building them."""
+    return jnp.asarray(pair_levels.range_matrices(names, CHUNK), dtype)
 
 
 def prep(q, k, g, *, scale: float, interpret):
@@ -280,60 +248,83 @@ def prep(q, k, g, *, scale: float, interpret):
     levels = pair_levels.num_levels(c)
     per_head = g.ndim == 3
 
-    def body(q_ref, k_ref, g_ref, a_ref, qd_ref, kd_ref, last_ref, q_smem, k_smem, gates, rest,
-             ranges, kops, stage, loaded, *head_gates):
+    def body(q_ref, k_ref, g_ref, r_ref, a_ref, qd_ref, kd_ref, last_ref, q_smem, k_smem, gates,
+             rest, ranges, ops, last_s, loaded, ranges_in, *head_gates):
         chunk, head, batch = (lax.axis_index(x) for x in ("chunk", "head", "batch"))
         tokens = (batch, pl.ds(chunk * c, c), head)
+
+        def fetch_ranges(i):
+            """Range matrix i of PREP_RANGES into `ranges` (arriving on `ranges_in`), once every
+            warp is past the products that read the last one."""
+            plgpu.copy_gmem_to_smem(r_ref.at[i], ranges, ranges_in)
+
+        fetch_ranges(0)
         for src, dst in ((q_ref, q_smem), (k_ref, k_smem)):
             plgpu.copy_gmem_to_smem(src.at[tokens], dst, loaded)
-        load_gates(g_ref, tokens, (), gates, slabs, loaded, head_gates[0] if per_head else None,
-                   rest)
+        head_vec = head_gates[0] if per_head else None
+        for slab in range(slabs):
+            span = pl.ds(slab * SLAB, SLAB)
+            # the loads' wait comes with the first slab's gates
+            load_gates(g_ref, tokens, span, gates.at[slab], loaded, head_vec, rest.at[slab],
+                       wait=slab == 0)
 
         def level_step(level, scores):
-            # after the last level's wgmmas, which read `ranges` and `kops`
-            set_ranges(ranges, level_range(level, c), c, interpret=interpret)
-            ops = []
-            for slab in range(slabs):
-                factor = jnp.exp2(range_sums(ranges, gates, slab, interpret=interpret))
-                op = level_operand(load_slab(q_smem, slab), load_slab(k_smem, slab), factor,
-                                   upper_rows(level, factor.shape), dtype)
-                kops.at[slab][...] = op
-                ops.append(op)
-            plgpu.commit_smem()
-            part = matmul([(ops[s], T(kops.at[s])) for s in range(slabs)], (c, c),
+            plgpu.barrier_wait(ranges_in)  # the level's range matrix
+            factors = [jnp.exp2(range_sums(ranges, gates.at[s], interpret=interpret))
+                       for s in range(slabs)]
+            upper = upper_rows(level, (c, SLAB))
+            x = [level_operand(q_smem.at[:, pl.ds(s * SLAB, SLAB)],
+                               k_smem.at[:, pl.ds(s * SLAB, SLAB)], factors[s], upper)
+                 for s in range(slabs)]
+            # two buffers of X: the one the level before last read is free, as every warp has
+            # passed the last level's commit below since
+            x_smem = ops.at[lax.rem(level, 2)]
+            for s in range(slabs):
+                x_smem.at[s][...] = x[s]
+            plgpu.commit_smem()  # also: every warp is past this level's range sums
+            fetch_ranges(level + 1)
+            part = matmul([(x[s], T(x_smem.at[s])) for s in range(slabs)], (c, c),
                           interpret=interpret)
             return jnp.where(level_pairs(level, c), part, scores)  # each pair has one level
 
         scores = lax.fori_loop(0, levels, level_step, full((c, c), 0.0))
         diag = None
-        for slab in range(slabs):
-            prod = jnp.sum(load_slab(q_smem, slab) * load_slab(k_smem, slab), axis=1)
+        for s in range(slabs):
+            span = pl.ds(s * SLAB, SLAB)
+            prod = jnp.sum(load_f32(q_smem.at[:, span]) * load_f32(k_smem.at[:, span]), axis=1)
             diag = prod if diag is None else diag + prod
         r, x = iota((c, c), 0), iota((c, c), 1)
         scores = (scores + jnp.where(r == x, rows(diag, (c, c)), 0.0)) * scale
 
-        # qd and kd over q and k; b_last of each slab through `stage`. b with the rest of the
-        # gates: d initial_state and the chunk decays have no term of weight 1 beside them
-        set_ranges(ranges, prefix_range(c), c, interpret=interpret)
-        for slab in range(slabs):
-            b = range_sums(ranges, gates, slab, interpret=interpret, rest=rest)
-            span = pl.ds(slab * SLAB, SLAB)
-            qd = load_slab(q_smem, slab) * (jnp.exp2(b) * scale)
-            if slab:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last slab's row is out
-            stage[...] = b * LN2
-            q_smem.at[:, span][...] = qd.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage.at[c - 1], last_ref.at[batch, chunk, head, span])
-        set_ranges(ranges, suffix_range(c), c, interpret=interpret)
-        for slab in range(slabs):
-            after = range_sums(ranges, gates, slab, interpret=interpret)  # b_last - b
-            span = pl.ds(slab * SLAB, SLAB)
-            k_smem.at[:, span][...] = (load_slab(k_smem, slab) * jnp.exp2(after)).astype(dtype)
-        kops.at[0][...] = scores.astype(dtype)  # A (C = SLAB)
+        # qd over q. b with the rest of the gates: d initial_state and the chunk decays have no
+        # term of weight 1 beside them. b_last from b transposed ([SLAB, C], a key per row): its
+        # last column, one row sum
+        plgpu.barrier_wait(ranges_in)  # prefix
+        last_col = iota((SLAB, c), 1) == c - 1
+        for s in range(slabs):
+            span = pl.ds(s * SLAB, SLAB)
+            b = range_sums(ranges, gates.at[s], interpret=interpret, rest=rest.at[s])
+            b_keys = matmul([(T(gates.at[s]), T(ranges)), (T(rest.at[s]), T(ranges))],
+                            (SLAB, c), interpret=interpret)
+            last_s.at[s][...] = jnp.sum(jnp.where(last_col, b_keys, 0.0), axis=1) * LN2
+            q_smem.at[:, span][...] = (load_f32(q_smem.at[:, span])
+                                       * (jnp.exp2(b) * scale)).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(kops.at[0], a_ref.at[tokens])
+        fetch_ranges(levels + 1)
         plgpu.copy_smem_to_gmem(q_smem, qd_ref.at[tokens])
+        for s in range(slabs):
+            plgpu.copy_smem_to_gmem(last_s.at[s],
+                                    last_ref.at[batch, chunk, head, pl.ds(s * SLAB, SLAB)])
+        plgpu.barrier_wait(ranges_in)  # suffix
+        for s in range(slabs):
+            span = pl.ds(s * SLAB, SLAB)
+            after = range_sums(ranges, gates.at[s], interpret=interpret)  # b_last - b
+            k_smem.at[:, span][...] = (load_f32(k_smem.at[:, span])
+                                       * jnp.exp2(after)).astype(dtype)
+        a_smem = ops.at[0, 0]  # A (C = SLAB); the last level read the other buffer
+        a_smem[...] = scores.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(a_smem, a_ref.at[tokens])
         plgpu.copy_smem_to_gmem(k_smem, kd_ref.at[tokens])
         plgpu.wait_smem_to_gmem(0)
 
@@ -343,9 +334,10 @@ def prep(q, k, g, *, scale: float, interpret):
         plgpu.SMEM((slabs, c, SLAB), GATE_DTYPE, transforms=SWIZZLED),  # g log2(e), rounded
         plgpu.SMEM((slabs, c, SLAB), GATE_DTYPE, transforms=SWIZZLED),  # and the rest
         plgpu.SMEM((c, c), GATE_DTYPE, transforms=SWIZZLED),  # a range matrix
-        plgpu.SMEM((slabs, c, SLAB), dtype, transforms=SWIZZLED),  # a level's operand X; A
-        plgpu.SMEM((c, SLAB), F32),  # b of a slab (its last row goes out)
+        plgpu.SMEM((2, slabs, c, SLAB), dtype, transforms=SWIZZLED),  # two levels' X; A
+        plgpu.SMEM((slabs, SLAB), F32),  # b_last
         plgpu.Barrier(num_arrivals=3 if per_head else 2),  # q, k (, per-head gates)
+        plgpu.Barrier(),  # a range matrix is in
     ]
     if per_head:
         scratch.append(plgpu.SMEM((c,), F32))  # the chunk's per-head gates
@@ -362,4 +354,4 @@ def prep(q, k, g, *, scale: float, interpret):
         interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
     )
     with jax.named_scope(f"gla_prep_mosaic_key_dim={kd}"):
-        return kernel(q, k, head_major_gates(g))
+        return kernel(q, k, head_major_gates(g), range_constants(PREP_RANGES))
