@@ -123,26 +123,28 @@ def test_attention_float32_d256_compiles(generation):
     assert compile_for_tpu(fn, x, x, x, seg, seg, generation=generation) is not None
 
 
-# The head-major forward's default tiles at D = 128 on 128-wide MXUs (plan._head_major_forward_tiles):
-# 1024 x 1024 in 512-key steps where the chip has 64 MiB of VMEM or more and the rows forward does
-# not apply (v5p, causal at batch 1), which the compile sweep's configurations do not reach.
-@pytest.mark.parametrize("generation,batch,expected", [
-    ("v5p", 1, (False, 1024, 1024, 512)),
-    ("v5p", 2, (True, 512, 512, 512)),  # the rows forward keeps its tiles
-    ("v4", 1, (False, 512, 512, 512)),  # 16 MiB of VMEM
+# The forward's default tiles at D = 128 on 128-wide MXUs (plan._forward_tiles_d128): 1024 x 1024
+# in 512-key steps where the chip has 64 MiB of VMEM or more, for the head-major forward (v5p,
+# causal at batch 1: compiled here, as the compile sweep's configurations do not reach it) and
+# for the rows forward without a mask; the causal rows forward keeps 512 x 512.
+@pytest.mark.parametrize("generation,batch,causal,expected", [
+    ("v5p", 1, True, (False, 1024, 1024, 512)),
+    ("v5p", 2, True, (True, 512, 512, 512)),
+    ("v5e", 1, False, (True, 1024, 1024, 512)),
+    ("v4", 1, True, (False, 512, 512, 512)),  # 16 MiB of VMEM
 ])
-def test_head_major_forward_tiles(generation, batch, expected):
+def test_forward_tiles_d128(generation, batch, causal, expected):
     from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
     from gla_tpu.ops.attention.validation import validate_attention
     from gla_tpu.testing.tpu_compile import targeting
 
     x = jax.ShapeDtypeStruct((batch, 4096, 8, 128), BF16)
-    problem, _, _ = validate_attention(x, x, x, causal=True, sm_scale=None, segment_ids=None)
+    problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
     with targeting(generation):
         cfg = kernel_config(problem, None, False)
     assert (cfg.forward_reads_rows, cfg.block_q, cfg.block_kv, cfg.block_kv_compute) == expected
-    if generation == "v5p" and batch == 1:
-        fn = _grad_of_sum(lambda q, k, v: ops.flash_attention(q, k, v, causal=True,
+    if (generation, batch) in (("v5p", 1), ("v5e", 1)):
+        fn = _grad_of_sum(lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
                                                               backend="mosaic_tpu"), (0, 1, 2))
         assert compile_for_tpu(fn, x, x, x, generation=generation) is not None
 

@@ -243,12 +243,15 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         reads_rows = reads_rows and bs.forward_reads_rows is True
         back_rows = back_rows and bs.backward_reads_rows is True
     if reads_rows and bs.forward_reads_rows is None:
-        fitted = fit("fwd", bq, bkv, bkc)
+        tiles = (bq, bkv, bkc)
+        if block_sizes is None:
+            tiles = _forward_tiles_d128(problem, info, True, *tiles)
+        fitted = fit("fwd", *tiles)
         reads_rows = fitted is not None
         if reads_rows:
             bq, bkv, bkc = fitted
     if block_sizes is None and rows_kernels and not reads_rows:
-        bq, bkv, bkc = _head_major_forward_tiles(problem, info, bq, bkv, bkc)
+        bq, bkv, bkc = _forward_tiles_d128(problem, info, False, bq, bkv, bkc)
     back_rows = back_rows and reads_rows  # the backward reads the residuals the forward saved
     if back_rows and bs.backward_reads_rows is None and info is not None:
         back_rows = info.generation in _ROWS_BACKWARD_GENERATIONS
@@ -288,16 +291,20 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
     )
 
 
-def _head_major_forward_tiles(problem, info, bq: int, bkv: int, bkc: int):
-    """The default tiles of the head-major forward (block_q, block_kv, block_kv_compute) where
-    the rows forward does not apply (ring attention's blocks aside): at D = 128 on chips with
-    128-wide MXUs and 64 MiB of VMEM or more (v5e, v5p), 1024 x 1024 in 512-key steps;
-    elsewhere the BlockSizes defaults as resolved (bq, bkv, bkc). On v5p the causal forward at
-    batch 1 (head-major there) estimates 12% fewer cycles with them; the rows forward keeps
-    BlockSizes' tiles, with which it estimates less on v5e causal (docs/benchmarks.md, "The
-    head-major forward's tiles at D = 128 on v5e and v5p")."""
+def _forward_tiles_d128(problem, info, reads_rows: bool, bq: int, bkv: int, bkc: int):
+    """The forward's default tiles (block_q, block_kv, block_kv_compute) at D = 128 on chips with
+    128-wide MXUs and 64 MiB of VMEM or more (v5e, v5p), where the caller passed no BlockSizes:
+    1024 x 1024 in 512-key steps for the head-major forward (which runs there where the rows
+    forward does not apply: v5p causal at batch 1, odd H in bfloat16) and for the rows forward
+    (`reads_rows`) of a problem without a mask; elsewhere the BlockSizes defaults as resolved
+    (bq, bkv, bkc). By libtpu's estimate (B1 H8 T4096): the head-major causal forward 12% fewer
+    cycles on v5p, the rows forward without a mask 6% (v5e) and 7% (v5p) fewer, but the rows
+    forward with the causal mask 2% more on v5e, so it keeps 512 x 512 (docs/benchmarks.md, "The
+    head-major forward's tiles at D = 128 on v5e and v5p" and "The rows forward's tiles without
+    a mask"). Ring attention's blocks keep the BlockSizes defaults."""
     if (info is None or info.mxu_column_size > LANES or problem.head_dim != LANES
-            or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES):
+            or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES
+            or (reads_rows and (problem.causal or problem.has_segments))):
         return bq, bkv, bkc
     bkv = min(1024, _block_cap(problem.kv_len))
     return min(1024, _block_cap(problem.q_len)), bkv, min(512, bkv)
