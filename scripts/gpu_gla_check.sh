@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (docs/gpu_backend.md, "Commands"): the GPU tests of the GLA
+# files, then each pair-level kernel alone and the totals at issue 14's four shapes, then the
+# side by side with jax-linear-attention and fla. Everything goes into ONE archive,
+# $OUT/gla_check.tgz (the device tool returns at most 8 files), plus its summary,
+# $OUT/gla_check.txt. Each step has its own time limit, so a slow one cannot eat the rest.
+#
+#   bash scripts/gpu_gla_check.sh tests      # about 5 minutes
+#   bash scripts/gpu_gla_check.sh kernels    # 4 shapes, up to 130 s each
+#   bash scripts/gpu_gla_check.sh side       # K = 256 with fla's backward, then the jla shapes
+#
+# One part per call: a command may run 10 minutes, and the parts' limits add up to about 9.
+# Expects the peers' wheels in .whl/ (pip download --no-deps fla-core jax-linear-attention) and
+# $OUT from the device tool. fla's autotune results are cached in _tc/ and come back in the
+# archive's tc/ (its backward at K = 256 tunes for longer than a call: bring them back in _tc/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+parts="${1:?name the parts: tests, kernels or side (comma-separated)}"
+out="${OUT:?set OUT (the device tool does)}"
+work="$(mktemp -d)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/*.whl || exit 3
+export PYTHONPATH="/tmp/site:$PWD" JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
+export TRITON_CACHE_DIR="$PWD/_tc"
+summary="$work/gla_check.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
+
+step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$work/$name.log" 2>&1
+  echo "$name: rc=$? ($((SECONDS - start)) s)" >> "$summary"
+}
+
+if [[ ",$parts," == *",tests,"* ]]; then
+  step tests 540 python3 -m pytest tests/backends/test_pallas_gpu_gla.py \
+    tests/backends/test_pallas_gpu_gla_pair_levels.py -m gpu -p no:benchmark -q -n 4
+  tail -n 3 "$work/tests.log" >> "$summary"
+fi
+if [[ ",$parts," == *",kernels,"* ]]; then
+  for shape in 4,4096,16,128,128 8,2048,4,256,512 8,2048,16,64,64 2,16384,8,128,128; do
+    step "kernels_${shape//,/_}" 130 python3 bench/gpu_gla_pair_levels.py --shape "$shape" \
+      --gates fla --parts check,kernels,total --out "$work" --tag "kernels_${shape//,/_}"
+  done
+fi
+if [[ ",$parts," == *",side,"* ]]; then
+  step side_k256 300 python3 bench/gpu_side_by_side.py --part gla --gla-shapes 1 \
+    --gates fla,fla/16 --no-fla-recurrent --out "$work" --tag side_k256
+  step side_jla 280 python3 bench/gpu_side_by_side.py --part gla --gla-shapes 0,2,3 \
+    --gates fla,fla/16 --no-fla-recurrent --fla-modes fwd --out "$work" --tag side_jla
+fi
+for table in "$work"/*.md; do
+  [ -e "$table" ] && { echo "== $(basename "$table")"; sed -n '/^```$/,/^```$/p' "$table"; } \
+    >> "$summary"
+done
+# fla's autotune results, for the next call: unpack tc/ here into _tc/ and name _tc in carry
+mkdir -p "$work/tc" && find _tc -name '*.autotune.json' -exec cp {} "$work/tc/" \; 2>/dev/null
+tar czf "$out/gla_check.tgz" -C "$work" .
+cp "$summary" "$out/gla_check.txt"
+cat "$summary"
