@@ -138,14 +138,14 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
             def gate_ranges():
                 plgpu.copy_gmem_to_smem(gr_ref.at[i], ranges, ranges_in)
 
-            def dg_ranges_():
+            def dg_sum_ranges():
                 plgpu.copy_gmem_to_smem(dgr_ref.at[i - len(GATE_RANGES)], dg_ranges, ranges_in)
 
             if isinstance(i, int):
-                (gate_ranges if i < len(GATE_RANGES) else dg_ranges_)()
+                (gate_ranges if i < len(GATE_RANGES) else dg_sum_ranges)()
             else:  # a level's: the next level's, or after the last the dg sums' first
                 pl.when(i < len(GATE_RANGES))(gate_ranges)
-                pl.when(i >= len(GATE_RANGES))(dg_ranges_)
+                pl.when(i >= len(GATE_RANGES))(dg_sum_ranges)
 
         fetch_ranges(0)
         for src, dst in ((q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
