@@ -67,9 +67,8 @@ def kernel_operands(shape, gate, seed=0):
         env["q"], env["k"], env["g"])
     _, env["h_hi"], env["h_lo"], _ = jax.jit(stages["state_training"][0])(
         *(env[x] for x in stages["state_training"][1]))
-    _, env["dh"], term, _ = jax.jit(stages["state_reversed"][0])(
+    _, env["dh"], env["term"], _ = jax.jit(stages["state_reversed"][0])(
         *(env[x] for x in stages["state_reversed"][1]))
-    env["term"] = jnp.sum(term, axis=3)
     return env, stages
 
 

@@ -63,18 +63,22 @@ def check_attention_parity(case: AttentionCase, key=None, *, dtype=jnp.float32, 
 
 def check_gla_parity(case: GLACase, key=None, *, dtype=jnp.float32, mode="chunk", backend="xla",
                      interpret=False, chunk_size=None, block_sizes=None, grads=True,
-                     gate_dtype=jnp.float32):
+                     gate_dtype=jnp.float32, final_state_only=False):
     """Asserts the pass rule for gla on `case` (outputs, final state and every gradient).
-    `key` defaults to one derived from the case."""
+    `key` defaults to one derived from the case. final_state_only: the loss and the comparison
+    see the final state alone (the outputs' cotangent is a symbolic zero)."""
     key = jax.random.key(case_seed(case)) if key is None else key
     kernel = functools.partial(gla, output_final_state=case.output_final_state, mode=mode,
                                chunk_size=chunk_size, backend=backend, interpret=interpret,
                                block_sizes=block_sizes)
+    if final_state_only:
+        kernel = _final_state_of(kernel)
     inputs = _gla_inputs(case, key, dtype, gate_dtype)
     k_out = None if _is_baseline(backend, block_sizes) else _run(kernel, inputs, key, dtype, grads)
     truth = _cached(("gla", case, _key_bytes(key), jnp.dtype(dtype).name,
-                     jnp.dtype(gate_dtype).name, mode, chunk_size, grads),
-                    lambda: _gla_truth(case, key, dtype, gate_dtype, mode, chunk_size, grads))
+                     jnp.dtype(gate_dtype).name, mode, chunk_size, grads, final_state_only),
+                    lambda: _gla_truth(case, key, dtype, gate_dtype, mode, chunk_size, grads,
+                                       final_state_only))
     bounds = None
     if (jnp.dtype(dtype) == jnp.float32 and case.gate != "none" and case.gate_strength < 1
             and mode != "fused_recurrent"):
@@ -155,17 +159,24 @@ def _attention_truth(case, key, dtype, grads):
     return baseline, reference
 
 
-def _gla_truth(case, key, dtype, gate_dtype, mode, chunk_size, grads):
+def _gla_truth(case, key, dtype, gate_dtype, mode, chunk_size, grads, final_state_only=False):
     """(same-dtype XLA baseline, float64 reference) of a GLA case."""
     inputs = _gla_inputs(case, key, dtype, gate_dtype)
     common = dict(output_final_state=case.output_final_state)
-    baseline = _run(functools.partial(gla, **common, mode=mode, chunk_size=chunk_size,
-                                      backend="xla"), inputs, key, dtype, grads)
+    only = _final_state_of if final_state_only else (lambda fn: fn)
+    baseline = _run(only(functools.partial(gla, **common, mode=mode, chunk_size=chunk_size,
+                                           backend="xla")), inputs, key, dtype, grads)
     quadratic_size = case.seq_len**2 * case.key_dim * case.batch * case.num_heads
     ref_fn = (gla_reference if quadratic_size <= QUADRATIC_REFERENCE_MAX_ELEMENTS
               else gla_recurrent_reference)
-    reference = _run_float64(functools.partial(ref_fn, **common), inputs, key, dtype, grads)
+    reference = _run_float64(only(functools.partial(ref_fn, **common)), inputs, key, dtype,
+                             grads)
     return baseline, reference
+
+
+def _final_state_of(fn):
+    """fn returning (o, final state) -> a function returning the final state alone."""
+    return lambda **inputs: fn(**inputs)[1]
 
 
 def _named(result):

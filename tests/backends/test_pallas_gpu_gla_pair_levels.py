@@ -112,6 +112,17 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
         BlockSizes(chunk_kernel="cuda")
 
 
+# Gradients through one of the two outputs: the other's cotangent is a symbolic zero, which the
+# backward takes as such (no final-state cotangent: the reversed pass starts from zero in
+# registers; no output cotangent: do is zeros).
+@pytest.mark.parametrize("final_state_only", [False, True], ids=["outputs_only", "state_only"])
+def test_interpret_parity_one_output_differentiated(final_state_only):
+    case = GLACase(1, 130, 2, 64, 128, gate="key", initial_state=True,
+                   output_final_state=final_state_only)
+    check_gla_parity(case, jax.random.key(10), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     interpret=True, block_sizes=PAIR_LEVELS, final_state_only=final_state_only)
+
+
 # The state passes split in time (segments of T side by side, a scan of their states between the
 # two passes), forward and reversed, with an initial state, a partial last segment of T and
 # segment_ids (reset gates: the scan sees decays of exactly 0); K = 200, two groups of keys, so

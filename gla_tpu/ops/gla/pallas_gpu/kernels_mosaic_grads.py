@@ -102,7 +102,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), g float32 log gates [B, Tp, H, K] (per
     key) or [B, Tp, H] (per head), last [B, N, H, K] float32 (b at each chunk's last token), h_hi
     and dh [B, N, H, K, V] 16-bit (the state entering each chunk and the gradient of the state
-    after it), term [B, N, H, K] float32 (sum_V h_n dh_{n+1}) -> dq, dk [B, Tp, H, K] in q's dtype
+    after it), term [B, N, H, V / 64, K] float32 (sum_V h_n dh_{n+1} per value tile, as the
+    reversed state pass writes it; summed here) -> dq, dk [B, Tp, H, K] in q's dtype
     and dg float32 in g's shape (per head: each slab's dg summed over its keys in the kernel, the
     slabs by XLA). With key groups (kernels_mosaic_state.Pass.groups), H counts virtual heads and
     v, do have H / groups heads."""
@@ -113,13 +114,15 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     if tp % c or kd % SLAB or vd % SLAB or vtiles > VALUE_TILES:
         raise ValueError(f"padded T={tp}, K={kd}, V={vd}: T and K multiples of {c} and {SLAB}, "
                          f"V a multiple of {SLAB} up to {VALUE_TILES * SLAB}")
+    if term.shape != (bsz, n, h, vtiles, kd):
+        raise ValueError(f"term {term.shape}: expected {(bsz, n, h, vtiles, kd)}")
     levels = pair_levels.num_levels(c)
     shape = (c, SLAB)
     per_head = g.ndim == 3
 
     def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, gr_ref,
-             dgr_ref, dq_ref, dk_ref, dg_ref, q_s, k_s, gates, ranges, da_s, pool, vecs, loaded,
-             tile_loaded, ranges_in, *extra):
+             dgr_ref, dq_ref, dk_ref, dg_ref, q_s, k_s, gates, ranges, da_s, pool, b_last,
+             terms, loaded, tile_loaded, ranges_in, *extra):
         # per-head gates: the chunk's gates in, then its dg summed over the slab's keys out
         head_vec = extra[0] if per_head else None
         # bfloat16 tiles: the parts of the dg sums and their range matrix; within the pool (its
@@ -149,8 +152,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
 
         fetch_ranges(0)
         for src, dst in ((q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
-                         (last_ref.at[batch, chunk, head, kcols], vecs.at[0]),
-                         (term_ref.at[batch, chunk, head, kcols], vecs.at[1])):
+                         (last_ref.at[batch, chunk, head, kcols], b_last),
+                         (term_ref.at[batch, chunk, head, :, kcols], terms)):
             plgpu.copy_gmem_to_smem(src, dst, loaded)
 
         # value tile j's v, do, h_n and dh_{n+1} [64, 64] into stage j % 2 of the pool's ring
@@ -230,8 +233,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))
 
         # dg = sum_{s < t} Y_s + e^(b_last) term + sum_{s >= t} cancel_s
-        state = cols(jnp.exp(plgpu.load(vecs.at[0], layout=COL))
-                     * plgpu.load(vecs.at[1], layout=COL), shape)
+        term = sum(plgpu.load(terms.at[j], layout=COL) for j in range(vtiles))
+        state = cols(jnp.exp(plgpu.load(b_last, layout=COL)) * term, shape)
         plgpu.barrier_wait(ranges_in)  # before (fetched by the last level)
         dg = matmul([(dg_ranges, part) for part in y_parts], shape, interpret=interpret,
                     init=state)
@@ -263,7 +266,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         plgpu.SMEM((c, c), GATE_DTYPE, transforms=SWIZZLED),  # the gates' range matrices
         plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
         plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
-        plgpu.SMEM((2, SLAB), F32),  # b_last, the state term
+        plgpu.SMEM((SLAB,), F32),  # b_last
+        plgpu.SMEM((vtiles, SLAB), F32),  # the state term of each value tile
         # q, k, b_last, the state term (, per-head gates)
         plgpu.Barrier(num_arrivals=5 if per_head else 4),
         plgpu.Barrier(num_arrivals=4, num_barriers=2),  # a value tile's four, per ring stage

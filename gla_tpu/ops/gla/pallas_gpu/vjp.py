@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_time
@@ -156,26 +157,38 @@ def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
 
 
 def _mosaic_fwd(q, k, v, g, s0, geo, interpret):
+    # symbolic_zeros: each array comes as (value, perturbed); the cotangents below may be
+    # symbolic zeros, so an unused final state costs no zeros array and no read in the backward
+    q, k, v, g, s0 = custom_vjp_primal_tree_values((q, k, v, g, s0))
     out, saved = _mosaic_forward(q, k, v, g, s0, geo, interpret, _TRAINING)
     return out, (q, k, v, g, s0, *saved)
+
+
+def _dense(cotangent, dtype):
+    """A cotangent as an array of `dtype` (a symbolic zero as zeros)."""
+    if isinstance(cotangent, SymbolicZero):
+        return jnp.zeros(cotangent.shape, dtype)
+    return cotangent.astype(dtype)
 
 
 def _mosaic_bwd(geo, interpret, residuals, cotangents):
     q, k, v, g, s0, a, qd, kd, last, h_hi, h_lo = residuals
     do, dfinal = cotangents
-    do = do.astype(v.dtype)
+    do = _dense(do, v.dtype)
+    # no cotangent of the final state: the reversed pass starts from zero in registers
+    dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal.astype(jnp.float32)
     groups = geo.key_groups
     dv, dh, term, ds0 = _state_pass_split(
-        qd, do, last, dfinal.astype(jnp.float32), w=kd, a=a, h_parts=(h_hi, h_lo),
+        qd, do, last, dfinal, w=kd, a=a, h_parts=(h_hi, h_lo),
         p=dataclasses.replace(_REVERSED, groups=groups), splits=geo.mosaic_splits,
         interpret=interpret)
-    dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh,
-                                                  jnp.sum(term, axis=3), scale=geo.scale,
-                                                  interpret=interpret, groups=groups)
+    dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh, term,
+                                                  scale=geo.scale, interpret=interpret,
+                                                  groups=groups)
     return dq, dk, dv, dg, None if s0 is None else ds0
 
 
-mosaic_chunked.defvjp(_mosaic_fwd, _mosaic_bwd)
+mosaic_chunked.defvjp(_mosaic_fwd, _mosaic_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
