@@ -3,6 +3,7 @@ XLA backend, each kernel timed alone, forward and forward+backward through ops.g
 that runs each kernel once for a profiler (ncu). GPU only.
 
     python3 bench/gpu_gla_pair_levels.py --shape 4,4096,16,128,128 --gates fla,strong --out OUT
+    python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 --group-sums float32,input
     ncu --kernel-name regex:gla_ --launch-count 6 python3 bench/gpu_gla_pair_levels.py --once
 """
 
@@ -26,13 +27,14 @@ from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_GROUP_KEYS
 from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING
 
 
-def kernel_stages(scale, groups=1):
+def kernel_stages(scale, groups=1, group_sums="float32"):
     """name -> (function, names of its arguments), in the order the forward and backward run;
     `groups` groups of keys as virtual heads (plan.ChunkGeometry.key_groups), as ops.gla runs
-    K above 128."""
+    K above 128, their partial sums as BlockSizes.mosaic_group_sums says."""
     sp = kernels_mosaic_state.state_pass
-    inference, training, reversed_ = (dataclasses.replace(p, groups=groups)
-                                      for p in (_INFERENCE, _TRAINING, _REVERSED))
+    inference, training, reversed_ = (
+        dataclasses.replace(p, groups=groups, sums_16bit=group_sums == "input")
+        for p in (_INFERENCE, _TRAINING, _REVERSED))
     return {
         "prep": (lambda q, k, g: kernels_mosaic_levels.prep(q, k, g, scale=scale, interpret=False),
                  ("q", "k", "g")),
@@ -51,7 +53,7 @@ def kernel_stages(scale, groups=1):
     }
 
 
-def kernel_operands(shape, gate, seed=0):
+def kernel_operands(shape, gate, seed=0, group_sums="float32"):
     """Every operand the stages take, from one draw (q, k, v, do ~ N(0, 1), g from GATES); K
     above 128 as groups of 128 keys, virtual heads (q, k and g reshaped, as ops.gla does)."""
     b_, t, h, kd, vd = shape
@@ -62,7 +64,7 @@ def kernel_operands(shape, gate, seed=0):
     env = {"q": jnp.asarray(q, jnp.bfloat16), "k": jnp.asarray(k, jnp.bfloat16),
            "v": jnp.asarray(v, jnp.bfloat16), "g": jnp.asarray(g),
            "do": jnp.asarray(rng.standard_normal(v.shape, np.float32), jnp.bfloat16)}
-    stages = kernel_stages(kd ** -0.5, groups)
+    stages = kernel_stages(kd ** -0.5, groups, group_sums)
     env["a"], env["qd"], env["kd"], env["last"] = jax.jit(stages["prep"][0])(
         env["q"], env["k"], env["g"])
     _, env["h_hi"], env["h_lo"], _ = jax.jit(stages["state_training"][0])(
@@ -72,18 +74,22 @@ def kernel_operands(shape, gate, seed=0):
     return env, stages
 
 
-def bench_kernels(ctx, shape, gate, once=False):
-    env, stages = kernel_operands(shape, gate)
+def _sums_tag(group_sums):
+    return "" if group_sums == "float32" else f"/group_sums={group_sums}"
+
+
+def bench_kernels(ctx, shape, gate, once=False, group_sums="float32"):
+    env, stages = kernel_operands(shape, gate, group_sums=group_sums)
     for name, (fn, arg_names) in stages.items():
         args = tuple(env[x] for x in arg_names)
         if once:
             jax.block_until_ready(jax.jit(fn)(*args))
             continue
-        record(ctx, op="gla_pair_kernel", impl=name, shape=shape, mode="fwd", gate=gate,
-               timing=time_jax(fn, *args))
+        record(ctx, op="gla_pair_kernel", impl=name + _sums_tag(group_sums), shape=shape,
+               mode="fwd", gate=gate, timing=time_jax(fn, *args))
 
 
-def check(ctx, shape, gate):
+def check(ctx, shape, gate, group_sums="float32"):
     """Outputs and every gradient of the pair-level path against the XLA backend on the same
     bfloat16 inputs (float32 arithmetic there): relative errors, recorded as notes."""
     from gla_tpu import ops
@@ -100,15 +106,16 @@ def check(ctx, shape, gate):
                        mode="chunk", backend="xla")
         return o
 
-    ours = fwd_bwd(ours_gla("chunk", chunk_kernel="mosaic_gpu"), ct)
-    got = jax.jit(ours)(jq, jk, jv, jg)
+    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu", mosaic_group_sums=group_sums)
+    got = jax.jit(fwd_bwd(fn, ct))(jq, jk, jv, jg)
     want = jax.jit(fwd_bwd(xla, ct))(jq, jk, jv, jg)
     errs = {name: rel_err(a, b) for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want)}
-    o = jax.jit(ours_gla("chunk", chunk_kernel="mosaic_gpu"))(jq, jk, jv, jg)
+    o = jax.jit(fn)(jq, jk, jv, jg)
     errs["o"] = rel_err(o, jax.jit(xla)(jq, jk, jv, jg))
     note = " ".join(f"{n} {e:.1e}" for n, e in errs.items())
     bad = [n for n, e in errs.items() if not e < 2e-2]
-    record(ctx, op="gla_pair_check", impl="pair_levels", shape=shape, mode="fwd+bwd", gate=gate,
+    record(ctx, op="gla_pair_check", impl="pair_levels" + _sums_tag(group_sums), shape=shape,
+           mode="fwd+bwd", gate=gate,
            note=note, error=f"rel err above 2e-2: {bad}" if bad else None)
 
 
@@ -122,12 +129,13 @@ def timing_inputs(seed, shape, gate, per_head=False):
     return args, jnp.asarray(rng.standard_normal(v.shape, np.float32))
 
 
-def bench_total(ctx, shape, gate):
+def bench_total(ctx, shape, gate, group_sums="float32"):
     b_, t, h, kd, vd = shape
     args, ct = timing_inputs(ctx.seed, shape, gate)
-    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu")
+    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu", mosaic_group_sums=group_sums)
     for mode, f in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn, ct))):
-        record(ctx, op="gla", impl="ours_chunk_pair_levels", shape=shape, mode=mode, gate=gate,
+        record(ctx, op="gla", impl="ours_chunk_pair_levels" + _sums_tag(group_sums), shape=shape,
+               mode=mode, gate=gate,
                timing=time_jax(f, *args),
                flops=gla_flops(b_, t, h, kd, vd, backward=mode == "fwd+bwd"))
 
@@ -165,6 +173,8 @@ def main(argv=None):
     parser.add_argument("--gates", default="fla", help=f"comma list of {sorted(GATES)}")
     parser.add_argument("--parts", default="check,kernels,total",
                         help="comma list of check, kernels, total, segments")
+    parser.add_argument("--group-sums", default="float32",
+                        help="comma list of BlockSizes.mosaic_group_sums values (K > 128)")
     parser.add_argument("--once", action="store_true", help="run each kernel once (profilers)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="gla_pair_levels")
@@ -179,12 +189,13 @@ def main(argv=None):
             bench_kernels(ctx, shape, gate, once=True)
             continue
         parts = args.parts.split(",")
-        if "check" in parts:
-            check(ctx, shape, gate)
-        if "kernels" in parts:
-            bench_kernels(ctx, shape, gate)
-        if "total" in parts:
-            bench_total(ctx, shape, gate)
+        for sums in args.group_sums.split(","):  # alternated per gate draw
+            if "check" in parts:
+                check(ctx, shape, gate, sums)
+            if "kernels" in parts:
+                bench_kernels(ctx, shape, gate, group_sums=sums)
+            if "total" in parts:
+                bench_total(ctx, shape, gate, sums)
         if "segments" in parts:
             bench_segments(ctx, shape, gate)
     if not args.once:

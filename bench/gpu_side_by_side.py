@@ -275,11 +275,13 @@ def gla_inputs(rng, b, t, h, kd, vd, with_state=False, gate="fla", per_head=Fals
 
 
 def ours_gla(mode, with_state=False, forward_kernel="auto", chunk_kernel="auto",
-             segment_ids=None):
+             segment_ids=None, **block_sizes):
+    """ops.gla on the GPU backend as a function of (q, k, v, g[, s0]) -> o; block_sizes: more
+    BlockSizes fields."""
     from gla_tpu import ops
     from gla_tpu.ops.gla.pallas_gpu import BlockSizes
 
-    sizes = BlockSizes(forward_kernel=forward_kernel, chunk_kernel=chunk_kernel)
+    sizes = BlockSizes(forward_kernel=forward_kernel, chunk_kernel=chunk_kernel, **block_sizes)
 
     def fn(q, k, v, g, *s0):
         o, _ = ops.gla(q, k, v, g, initial_state=s0[0] if s0 else None, mode=mode,

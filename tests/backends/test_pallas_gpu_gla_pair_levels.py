@@ -110,6 +110,19 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
                 block_sizes=PAIR_LEVELS)
     with pytest.raises(ValueError, match="chunk_kernel"):
         BlockSizes(chunk_kernel="cuda")
+    with pytest.raises(ValueError, match="mosaic_group_sums='bfloat16'"):
+        BlockSizes(mosaic_group_sums="bfloat16")
+
+
+# The key groups' partial sums of o and dv in the input dtype (BlockSizes.mosaic_group_sums):
+# K = 300 (three groups, the middle one reading and writing the partial sum), bfloat16 and, in
+# --full, float16; K = 200 split in time.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.full)])
+def test_interpret_parity_group_sums_16bit(dtype):
+    case = GLACase(1, 70, 2, 300, 64, gate="key", initial_state=True)
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_group_sums="input")
+    check_gla_parity(case, jax.random.key(11), dtype=dtype, backend="pallas_gpu", interpret=True,
+                     block_sizes=sizes)
 
 
 # Gradients through one of the two outputs: the other's cotangent is a symbolic zero, which the
@@ -194,3 +207,15 @@ def test_gpu_parity(case, dtype):
     check_gla_parity(case, jax.random.key(7), dtype=dtype, backend="pallas_gpu",
                      block_sizes=PAIR_LEVELS)
 
+
+
+# The key groups' partial sums in the input dtype on the GPU: K = 256 / V = 512 (two groups) and
+# K = 512 (four) at strong gates.
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
+                                  GLACase(1, 1000, 2, 512, 192, gate="key", gate_strength=1e-3)],
+                         ids=str)
+def test_gpu_parity_group_sums_16bit(case):
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_group_sums="input")
+    check_gla_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     block_sizes=sizes)

@@ -20,7 +20,8 @@ product keeps float32 accuracy.
 K above 128 runs as G groups of 128 keys (virtual heads; the state is separable by key, out is
 the sum of the groups' outs). One block walks its head's groups one after another, each over all
 chunks: group g adds its out to the float32 sum of the groups before it, which group g - 1 wrote
-to a scratch output and TMA reads back, and the last group writes the sum in the input dtype.
+to a scratch output and TMA reads back (in float32, or in the input dtype: Pass.sums_16bit), and
+the last group writes the sum in the input dtype.
 So no float32 partial outputs per group leave the kernel for XLA to add (docs/gpu_backend.md,
 "Key groups summed in the state passes").
 """
@@ -63,6 +64,9 @@ class Pass:
     # keys each, y and out over the H heads; one block walks a head's groups in turn and sums
     # their outputs (state_pass)
     groups: int = 1
+    # the groups' partial output sums in x's dtype instead of float32 (half the bytes written
+    # and read back; one more rounding)
+    sums_16bit: bool = False
 
 
 def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interpret):
@@ -89,6 +93,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     # float32 partial sum of the groups before it (`partial`, an output read back by TMA), and the
     # last group writes the sum in x's dtype
     summed = p.outputs and groups > 1
+    sum_dtype = dtype if p.sums_16bit else F32
 
     def body(*refs):
         refs = list(refs)
@@ -125,10 +130,10 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                 return
             pl.when(group > 0)(lambda: plgpu.barrier_wait(scratch["partial_ready"]))
             # loaded at the step's start (not for group 0)
-            before = plgpu.load(scratch["partial"], layout=plgpu.Layout.WGMMA)
+            before = plgpu.load(scratch["partial"], layout=plgpu.Layout.WGMMA).astype(F32)
             o = o + jnp.where(group > 0, before, 0.0)
             pl.when(group < groups - 1)(
-                lambda: store(scratch["partial"], o, partial_ref, chunk))
+                lambda: store(scratch["partial"], o.astype(sum_dtype), partial_ref, chunk))
             pl.when(group == groups - 1)(
                 lambda: store(scratch["o"], o.astype(dtype), o_ref, chunk))
 
@@ -238,7 +243,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         scratch_types["a"] = plgpu.SMEM((stages, c, c), dtype, **tiled)
         scratch_types["o"] = plgpu.SMEM((c, BLOCK_V), dtype, **tiled)
     if summed:
-        scratch_types["partial"] = plgpu.SMEM((c, BLOCK_V), F32, transforms=SWIZZLED_F32)
+        scratch_types["partial"] = plgpu.SMEM(
+            (c, BLOCK_V), sum_dtype, transforms=SWIZZLED if p.sums_16bit else SWIZZLED_F32)
         scratch_types["partial_ready"] = plgpu.Barrier()
     if p.state_term:
         for name in ("h_hi", "h_lo"):
@@ -259,7 +265,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     if p.outputs:
         out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), dtype))
     if summed:
-        out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), F32))
+        out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), sum_dtype))
     out_type += [parts_type] * p.store_parts
     if p.state_term:
         out_type.append(jax.ShapeDtypeStruct((bsz, n, h, vd // BLOCK_V, kd), F32))

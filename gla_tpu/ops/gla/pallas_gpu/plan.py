@@ -20,13 +20,15 @@ MAX_DIM = 512
 VALUE_BLOCKS = (64, 128)
 FORWARD_KERNELS = ("auto", "triton", "mosaic_gpu")
 CHUNK_KERNELS = ("auto", "triton", "mosaic_gpu")
+GROUP_SUMS = ("float32", "input")
 MOSAIC_BLOCK_V = 64  # V tile of the Mosaic GPU forward (one block per V tile, head and batch)
 MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in registers)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiles of the GPU GLA kernels (performance only; results do not depend on them).
+    """Tiles of the GPU GLA kernels (performance only; results do not depend on them, but for
+    the rounding mosaic_group_sums="input" adds).
 
     Attributes:
       block_v: V tile of the state passes, outputs and dv (64 or 128; None: `value_block`, 128
@@ -46,6 +48,11 @@ class BlockSizes:
         "auto": the pair-level kernels on a Hopper GPU where they apply, except for a few
         tokens (decoding), else Triton. An undifferentiated call with per-head gates or none
         still runs the one-kernel forward (forward_kernel).
+      mosaic_group_sums: K above 128 runs the pair-level state passes as groups of 128 keys, one
+        after another in a block, each adding its outputs (o, or dv) to the sum of the groups
+        before it, which goes through global memory: "float32", or "input" (the input dtype:
+        half the bytes, one more rounding of a partial sum; docs/gpu_backend.md, "Key groups'
+        partial sums in 16 bits").
     """
 
     block_v: int | None = None
@@ -55,6 +62,7 @@ class BlockSizes:
     forward_kernel: str = "auto"
     mosaic_time_splits: int | None = None
     chunk_kernel: str = "auto"
+    mosaic_group_sums: str = "float32"
 
     def __post_init__(self):
         splits = self.mosaic_time_splits
@@ -68,6 +76,9 @@ class BlockSizes:
         if self.chunk_kernel not in CHUNK_KERNELS:
             raise ValueError(f"BlockSizes.chunk_kernel={self.chunk_kernel!r} must be one of "
                              f"{CHUNK_KERNELS}.")
+        if self.mosaic_group_sums not in GROUP_SUMS:
+            raise ValueError(f"BlockSizes.mosaic_group_sums={self.mosaic_group_sums!r} must be "
+                             f"one of {GROUP_SUMS}.")
         if self.block_v is not None and self.block_v not in VALUE_BLOCKS:
             raise ValueError(
                 f"BlockSizes.block_v={self.block_v!r} must be None or one of {VALUE_BLOCKS}.")
@@ -112,6 +123,8 @@ class ChunkGeometry:
     # on key_groups groups of at most MOSAIC_GROUP_KEYS keys each
     mosaic_chunk: bool = False
     key_groups: int = 1
+    # the key groups' partial output sums in the input dtype (BlockSizes.mosaic_group_sums)
+    group_sums_16bit: bool = False
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -150,7 +163,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         num_warps_dqk=block_sizes.num_warps_dqk, num_stages=block_sizes.num_stages,
         exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
         mosaic_splits=splits, mosaic_chunk=mosaic_chunk,
-        key_groups=groups,
+        key_groups=groups, group_sums_16bit=block_sizes.mosaic_group_sums == "input",
     )
 
 
