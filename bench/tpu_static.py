@@ -133,7 +133,7 @@ def _attention_program(spec: Spec):
     bhtd = jax.ShapeDtypeStruct((b, h, t, d), bf16)
     scale = d ** -0.5
     if spec.impl == "gla_tpu":
-        sizes = _our_attention_blocks(opts, spec)
+        sizes = _our_attention_blocks(opts)
         fn, args = (lambda q, k, v: ops.flash_attention(
             q, k, v, causal=causal, backend="mosaic_tpu", block_sizes=sizes)), (bthd,) * 3
     elif spec.impl == "gla_tpu_xla":
@@ -177,19 +177,16 @@ def _attention_program(spec: Spec):
     return fn, args
 
 
-def _our_attention_blocks(opts: dict, spec: Spec):
-    """Our BlockSizes from a spec's ("blocks", [[field, value], ...]) option, or from its
-    ("defaults_with", [[field, value], ...]) option (the generation's default tiles with those
-    fields replaced); None = defaults."""
+def _our_attention_blocks(opts: dict):
+    """Our BlockSizes from a spec's ("blocks", [[field, value], ...]) or ("defaults_with", ...)
+    option, the same since 2026-11-27: the fields given, every other one None, i.e. the op's
+    default for the generation and the problem (before, "blocks" left the others at 512 and
+    "defaults_with" at the generation's BlockSizes.default without the D = 128 forward's tile
+    rule); None = defaults."""
     from gla_tpu.ops.attention.mosaic_tpu import plan
-    from gla_tpu.ops.common.tpu import target_tpu_info
-    from gla_tpu.testing.tpu_compile import targeting
 
-    if "defaults_with" in opts:
-        with targeting(spec.generation):
-            sizes = plan.target_default_blocks(spec.shape[3], target_tpu_info())
-        return dataclasses.replace(sizes, **dict(opts["defaults_with"]))
-    return plan.BlockSizes(**dict(opts["blocks"])) if "blocks" in opts else None
+    fields = opts.get("defaults_with", opts.get("blocks"))
+    return None if fields is None else plan.BlockSizes(**dict(fields))
 
 
 def _attention_backward_program(spec: Spec):
@@ -210,7 +207,7 @@ def _attention_backward_program(spec: Spec):
     x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
     problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
     with targeting(spec.generation):  # the generation's default tiles, as inside its program
-        cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options), spec), False)
+        cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options)), False)
     tp = cfg.q_len_padded
     head_major = jax.ShapeDtypeStruct((b, h, tp, d), jnp.bfloat16)
     api_layout = jax.ShapeDtypeStruct((b, tp, h, d), jnp.bfloat16)

@@ -149,6 +149,31 @@ def test_forward_tiles_d128(generation, batch, causal, expected):
         assert compile_for_tpu(fn, x, x, x, generation=generation) is not None
 
 
+# A BlockSizes that sets some fields leaves the others to the op's defaults for the chip and
+# problem: the 256-wide MXUs' 1024-tiles on v6e, the D = 128 forward's rule on v5e while the
+# forward's tiles are unset; a forward tile set by hand turns that rule off; a default
+# block_kv_compute that does not divide a block_kv set by hand gives way to one step.
+@pytest.mark.parametrize("generation,d,causal,sizes,expected", [
+    ("v6e", 128, True, dict(row_sum_on_mxu=False), (1024, 1024, 1024, 1024, 1024)),
+    ("v5e", 128, False, dict(backward_reads_rows=False), (1024, 1024, 512, 512, 512)),
+    ("v5e", 128, False, dict(block_q=512), (512, 512, 512, 512, 512)),
+    ("v5e", 256, True, dict(block_kv=384), (1024, 384, 384, 512, 512)),
+    ("v5e", 256, True, dict(block_q_dq=256), (1024, 1024, 256, 256, 512)),
+])
+def test_block_sizes_fields_left_none_take_the_defaults(generation, d, causal, sizes, expected):
+    from gla_tpu.ops.attention.mosaic_tpu import BlockSizes
+    from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
+    from gla_tpu.ops.attention.validation import validate_attention
+    from gla_tpu.testing.tpu_compile import targeting
+
+    x = jax.ShapeDtypeStruct((1, 4096, 8, d), BF16)
+    problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
+    with targeting(generation):
+        cfg = kernel_config(problem, BlockSizes(**sizes), False)
+    assert (cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.block_q_dq,
+            cfg.block_kv_dkv) == expected
+
+
 def _gla_args(gate, b, t, h, kd, vd):
     gshape = (b, t, h, kd) if gate == "key" else (b, t, h)
     return (jax.ShapeDtypeStruct((b, t, h, kd), BF16), jax.ShapeDtypeStruct((b, t, h, kd), BF16),

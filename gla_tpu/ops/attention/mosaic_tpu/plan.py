@@ -21,6 +21,8 @@ BLOCK_MULTIPLE = LANES
 _BLOCK_FIELDS = (
     "block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv",
 )
+_TILE_FIELDS = _BLOCK_FIELDS + ("block_kv_compute",)
+_FORWARD_TILE_FIELDS = ("block_q", "block_kv", "block_kv_compute")
 
 
 # VMEM from which a chip with 128-wide MXUs takes the D = 256 forward in 1024 x 1024 tiles
@@ -33,11 +35,15 @@ class BlockSizes:
     """Tile sizes of the three kernels (performance only; results do not depend on them).
 
     Sequence lengths shorter than a block shrink it to the next power-of-two multiple of 128 that
-    covers them; longer ones are padded up to a multiple of the blocks and masked.
+    covers them; longer ones are padded up to a multiple of the blocks and masked. A tile left
+    None takes the op's default for the chip and the problem (`BlockSizes.default`, and at
+    D = 128 on v5e / v5p the forward's rule `_forward_tiles_d128` while block_q, block_kv and
+    block_kv_compute are all None), so setting one field leaves the others at their defaults.
 
     Attributes:
       block_q, block_kv: forward tile of queries and of keys fetched per grid step.
-      block_kv_compute: keys per inner step of the forward (divides block_kv); None = block_kv.
+      block_kv_compute: keys per inner step of the forward (divides block_kv; equal to it for
+        one step).
       block_q_dq, block_kv_dq: tiles of the dq kernel.
       block_q_dkv, block_kv_dkv: tiles of the dk/dv kernel.
       vmem_limit_bytes: scoped VMEM limit passed to Mosaic; None keeps the compiler's default.
@@ -61,31 +67,33 @@ class BlockSizes:
       BlockSizes(block_q=256, block_kv=512, block_kv_compute=256, ...)
     """
 
-    block_q: int = 512
-    block_kv: int = 512
+    block_q: int | None = None
+    block_kv: int | None = None
     block_kv_compute: int | None = None
-    block_q_dq: int = 512
-    block_kv_dq: int = 512
-    block_q_dkv: int = 512
-    block_kv_dkv: int = 512
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
     vmem_limit_bytes: int | None = None
     row_sum_on_mxu: bool | None = None
     forward_reads_rows: bool | None = None
     backward_reads_rows: bool | None = None
 
     def __post_init__(self):
-        for name in _BLOCK_FIELDS + ("block_kv_compute",):
+        for name in _TILE_FIELDS:
             value = getattr(self, name)
-            if value is None and name == "block_kv_compute":
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"BlockSizes.{name} must be a positive int; got {value!r}.")
+                raise ValueError(
+                    f"BlockSizes.{name} must be None or a positive int; got {value!r}.")
             if value % BLOCK_MULTIPLE:
                 raise ValueError(
                     f"BlockSizes.{name}={value} must be a multiple of {BLOCK_MULTIPLE} "
                     "(sequence blocks are lane dims of the score tiles)."
                 )
-        if self.block_kv_compute is not None and self.block_kv % self.block_kv_compute:
+        if (self.block_kv_compute is not None and self.block_kv is not None
+                and self.block_kv % self.block_kv_compute):
             raise ValueError(
                 f"BlockSizes.block_kv={self.block_kv} must be a multiple of "
                 f"block_kv_compute={self.block_kv_compute}."
@@ -121,13 +129,30 @@ class BlockSizes:
         chips with 64 MiB of VMEM or more (v5e, v5p; not v4's 16), the D = 256 forward takes
         1024 x 1024 tiles too (5-11% fewer cycles by the estimate, docs/benchmarks.md, "D = 256
         forward tiles on 128-wide MXUs")."""
-        sizes = cls() if head_dim <= 128 else cls(block_kv_compute=256)
+        sizes = cls(**{name: 512 for name in _BLOCK_FIELDS},
+                    block_kv_compute=None if head_dim <= 128 else 256)
         if mxu_width is not None and mxu_width >= 256:
             sizes = dataclasses.replace(sizes, block_kv_compute=None, **{
                 name: 1024 for name in _BLOCK_FIELDS})
         elif head_dim > 128 and vmem_bytes is not None and vmem_bytes >= _LARGE_VMEM_BYTES:
             sizes = dataclasses.replace(sizes, block_q=1024, block_kv=1024)
         return sizes
+
+    def with_defaults(self, defaults: "BlockSizes") -> "BlockSizes":
+        """These sizes with each tile left None taken from `defaults` (whose tiles are set;
+        block_kv_compute may be None there: one step). A default block_kv_compute that does not
+        divide a block_kv set here gives way to one step."""
+        filled = {name: getattr(defaults, name) for name in _BLOCK_FIELDS
+                  if getattr(self, name) is None}
+        if self.block_kv_compute is None:
+            block_kv = filled.get("block_kv", self.block_kv)
+            step = defaults.block_kv_compute
+            filled["block_kv_compute"] = None if step is None or block_kv % step else step
+        return dataclasses.replace(self, **filled)
+
+    def forward_tiles_set(self) -> bool:
+        """Whether any of the forward's tiles (block_q, block_kv, block_kv_compute) is set."""
+        return any(getattr(self, name) is not None for name in _FORWARD_TILE_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,10 +240,11 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
                   rows_kernels: bool = True) -> KernelConfig:
     """Resolves block sizes against the problem (clamping to short sequences) and pads lengths.
     rows_kernels=False keeps every kernel head-major (ring attention's blocks)."""
-    bs = block_sizes
     info = None if interpret else target_tpu_info()
-    if bs is None:
-        bs = target_default_blocks(problem.head_dim, info)
+    given = BlockSizes() if block_sizes is None else block_sizes
+    # the forward's per-problem tile rule applies where its tiles are left to the defaults
+    default_forward_tiles = not given.forward_tiles_set()
+    bs = given.with_defaults(target_default_blocks(problem.head_dim, info))
     q_cap, kv_cap = _block_cap(problem.q_len), _block_cap(problem.kv_len)
     bq, bq_dq, bq_dkv = (min(b, q_cap) for b in (bs.block_q, bs.block_q_dq, bs.block_q_dkv))
     bkv, bkv_dq, bkv_dkv = (min(b, kv_cap) for b in (bs.block_kv, bs.block_kv_dq,
@@ -244,13 +270,13 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         back_rows = back_rows and bs.backward_reads_rows is True
     if reads_rows and bs.forward_reads_rows is None:
         tiles = (bq, bkv, bkc)
-        if block_sizes is None:
+        if default_forward_tiles:
             tiles = _forward_tiles_d128(problem, info, True, *tiles)
         fitted = fit("fwd", *tiles)
         reads_rows = fitted is not None
         if reads_rows:
             bq, bkv, bkc = fitted
-    if block_sizes is None and rows_kernels and not reads_rows:
+    if default_forward_tiles and rows_kernels and not reads_rows:
         bq, bkv, bkc = _forward_tiles_d128(problem, info, False, bq, bkv, bkc)
     back_rows = back_rows and reads_rows  # the backward reads the residuals the forward saved
     if back_rows and bs.backward_reads_rows is None and info is not None:
@@ -293,7 +319,7 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
 
 def _forward_tiles_d128(problem, info, reads_rows: bool, bq: int, bkv: int, bkc: int):
     """The forward's default tiles (block_q, block_kv, block_kv_compute) at D = 128 on chips with
-    128-wide MXUs and 64 MiB of VMEM or more (v5e, v5p), where the caller passed no BlockSizes:
+    128-wide MXUs and 64 MiB of VMEM or more (v5e, v5p), where the caller set none of them:
     1024 x 1024 in 512-key steps for the head-major forward (which runs there where the rows
     forward does not apply: v5p causal at batch 1, odd H in bfloat16) and for the rows forward
     (`reads_rows`) of a problem without a mask; elsewhere the BlockSizes defaults as resolved
@@ -301,7 +327,8 @@ def _forward_tiles_d128(problem, info, reads_rows: bool, bq: int, bkv: int, bkc:
     cycles on v5p, the rows forward without a mask 6% (v5e) and 7% (v5p) fewer, but the rows
     forward with the causal mask 2% more on v5e, so it keeps 512 x 512 (docs/benchmarks.md, "The
     head-major forward's tiles at D = 128 on v5e and v5p" and "The rows forward's tiles without
-    a mask"). Ring attention's blocks keep the BlockSizes defaults."""
+    a mask"). Ring attention's blocks keep the BlockSizes defaults. Applies where the caller
+    left the forward's three tiles None (BlockSizes.forward_tiles_set)."""
     if (info is None or info.mxu_column_size > LANES or problem.head_dim != LANES
             or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES
             or (reads_rows and (problem.causal or problem.has_segments))):
