@@ -3,7 +3,8 @@ XLA backend, each kernel timed alone, forward and forward+backward through ops.g
 that runs each kernel once for a profiler (ncu). GPU only.
 
     python3 bench/gpu_gla_pair_levels.py --shape 4,4096,16,128,128 --gates fla,strong --out OUT
-    python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 --group-sums float32,input
+    python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
+        --sizes "default;mosaic_group_sums=input;mosaic_block_v=32"
     ncu --kernel-name regex:gla_ --launch-count 6 python3 bench/gpu_gla_pair_levels.py --once
 """
 
@@ -27,13 +28,17 @@ from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_GROUP_KEYS
 from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING
 
 
-def kernel_stages(scale, groups=1, group_sums="float32"):
+def kernel_stages(scale, groups=1, sizes=None):
     """name -> (function, names of its arguments), in the order the forward and backward run;
     `groups` groups of keys as virtual heads (plan.ChunkGeometry.key_groups), as ops.gla runs
-    K above 128, their partial sums as BlockSizes.mosaic_group_sums says."""
+    K above 128; `sizes`: BlockSizes fields of the state passes (mosaic_group_sums,
+    mosaic_block_v) as in ops.gla."""
+    sizes = sizes or {}
     sp = kernels_mosaic_state.state_pass
     inference, training, reversed_ = (
-        dataclasses.replace(p, groups=groups, sums_16bit=group_sums == "input")
+        dataclasses.replace(p, groups=groups,
+                            sums_16bit=sizes.get("mosaic_group_sums") == "input",
+                            block_v=sizes.get("mosaic_block_v", kernels_mosaic_state.BLOCK_V))
         for p in (_INFERENCE, _TRAINING, _REVERSED))
     return {
         "prep": (lambda q, k, g: kernels_mosaic_levels.prep(q, k, g, scale=scale, interpret=False),
@@ -53,7 +58,7 @@ def kernel_stages(scale, groups=1, group_sums="float32"):
     }
 
 
-def kernel_operands(shape, gate, seed=0, group_sums="float32"):
+def kernel_operands(shape, gate, seed=0, sizes=None):
     """Every operand the stages take, from one draw (q, k, v, do ~ N(0, 1), g from GATES); K
     above 128 as groups of 128 keys, virtual heads (q, k and g reshaped, as ops.gla does)."""
     b_, t, h, kd, vd = shape
@@ -64,7 +69,7 @@ def kernel_operands(shape, gate, seed=0, group_sums="float32"):
     env = {"q": jnp.asarray(q, jnp.bfloat16), "k": jnp.asarray(k, jnp.bfloat16),
            "v": jnp.asarray(v, jnp.bfloat16), "g": jnp.asarray(g),
            "do": jnp.asarray(rng.standard_normal(v.shape, np.float32), jnp.bfloat16)}
-    stages = kernel_stages(kd ** -0.5, groups, group_sums)
+    stages = kernel_stages(kd ** -0.5, groups, sizes)
     env["a"], env["qd"], env["kd"], env["last"] = jax.jit(stages["prep"][0])(
         env["q"], env["k"], env["g"])
     _, env["h_hi"], env["h_lo"], _ = jax.jit(stages["state_training"][0])(
@@ -74,22 +79,36 @@ def kernel_operands(shape, gate, seed=0, group_sums="float32"):
     return env, stages
 
 
-def _sums_tag(group_sums):
-    return "" if group_sums == "float32" else f"/group_sums={group_sums}"
+def _sizes_tag(sizes):
+    """A record's impl suffix for BlockSizes fields set (none: the defaults)."""
+    return "".join(f"/{name}={value}" for name, value in (sizes or {}).items())
 
 
-def bench_kernels(ctx, shape, gate, once=False, group_sums="float32"):
-    env, stages = kernel_operands(shape, gate, group_sums=group_sums)
+def parse_sizes(text):
+    """'default;mosaic_block_v=32;...' -> a list of dicts of BlockSizes fields."""
+    variants = []
+    for variant in text.split(";"):
+        fields = {}
+        for item in variant.split(","):
+            if item and item != "default":
+                name, value = item.split("=")
+                fields[name] = int(value) if value.isdigit() else value
+        variants.append(fields)
+    return variants
+
+
+def bench_kernels(ctx, shape, gate, once=False, sizes=None):
+    env, stages = kernel_operands(shape, gate, sizes=sizes)
     for name, (fn, arg_names) in stages.items():
         args = tuple(env[x] for x in arg_names)
         if once:
             jax.block_until_ready(jax.jit(fn)(*args))
             continue
-        record(ctx, op="gla_pair_kernel", impl=name + _sums_tag(group_sums), shape=shape,
+        record(ctx, op="gla_pair_kernel", impl=name + _sizes_tag(sizes), shape=shape,
                mode="fwd", gate=gate, timing=time_jax(fn, *args))
 
 
-def check(ctx, shape, gate, group_sums="float32"):
+def check(ctx, shape, gate, sizes=None):
     """Outputs and every gradient of the pair-level path against the XLA backend on the same
     bfloat16 inputs (float32 arithmetic there): relative errors, recorded as notes."""
     from gla_tpu import ops
@@ -106,7 +125,7 @@ def check(ctx, shape, gate, group_sums="float32"):
                        mode="chunk", backend="xla")
         return o
 
-    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu", mosaic_group_sums=group_sums)
+    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu", **(sizes or {}))
     got = jax.jit(fwd_bwd(fn, ct))(jq, jk, jv, jg)
     want = jax.jit(fwd_bwd(xla, ct))(jq, jk, jv, jg)
     errs = {name: rel_err(a, b) for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want)}
@@ -114,7 +133,7 @@ def check(ctx, shape, gate, group_sums="float32"):
     errs["o"] = rel_err(o, jax.jit(xla)(jq, jk, jv, jg))
     note = " ".join(f"{n} {e:.1e}" for n, e in errs.items())
     bad = [n for n, e in errs.items() if not e < 2e-2]
-    record(ctx, op="gla_pair_check", impl="pair_levels" + _sums_tag(group_sums), shape=shape,
+    record(ctx, op="gla_pair_check", impl="pair_levels" + _sizes_tag(sizes), shape=shape,
            mode="fwd+bwd", gate=gate,
            note=note, error=f"rel err above 2e-2: {bad}" if bad else None)
 
@@ -129,12 +148,12 @@ def timing_inputs(seed, shape, gate, per_head=False):
     return args, jnp.asarray(rng.standard_normal(v.shape, np.float32))
 
 
-def bench_total(ctx, shape, gate, group_sums="float32"):
+def bench_total(ctx, shape, gate, sizes=None):
     b_, t, h, kd, vd = shape
     args, ct = timing_inputs(ctx.seed, shape, gate)
-    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu", mosaic_group_sums=group_sums)
+    fn = ours_gla("chunk", chunk_kernel="mosaic_gpu", **(sizes or {}))
     for mode, f in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn, ct))):
-        record(ctx, op="gla", impl="ours_chunk_pair_levels" + _sums_tag(group_sums), shape=shape,
+        record(ctx, op="gla", impl="ours_chunk_pair_levels" + _sizes_tag(sizes), shape=shape,
                mode=mode, gate=gate,
                timing=time_jax(f, *args),
                flops=gla_flops(b_, t, h, kd, vd, backward=mode == "fwd+bwd"))
@@ -173,8 +192,9 @@ def main(argv=None):
     parser.add_argument("--gates", default="fla", help=f"comma list of {sorted(GATES)}")
     parser.add_argument("--parts", default="check,kernels,total",
                         help="comma list of check, kernels, total, segments")
-    parser.add_argument("--group-sums", default="float32",
-                        help="comma list of BlockSizes.mosaic_group_sums values (K > 128)")
+    parser.add_argument("--sizes", default="default",
+                        help="';'-separated variants of BlockSizes fields, each 'default' or "
+                             "'field=value,...' (mosaic_group_sums, mosaic_block_v)")
     parser.add_argument("--once", action="store_true", help="run each kernel once (profilers)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="gla_pair_levels")
@@ -189,13 +209,13 @@ def main(argv=None):
             bench_kernels(ctx, shape, gate, once=True)
             continue
         parts = args.parts.split(",")
-        for sums in args.group_sums.split(","):  # alternated per gate draw
+        for sizes in parse_sizes(args.sizes):  # each variant in turn, per gate draw
             if "check" in parts:
-                check(ctx, shape, gate, sums)
+                check(ctx, shape, gate, sizes)
             if "kernels" in parts:
-                bench_kernels(ctx, shape, gate, group_sums=sums)
+                bench_kernels(ctx, shape, gate, sizes=sizes)
             if "total" in parts:
-                bench_total(ctx, shape, gate, sums)
+                bench_total(ctx, shape, gate, sizes)
         if "segments" in parts:
             bench_segments(ctx, shape, gate)
     if not args.once:

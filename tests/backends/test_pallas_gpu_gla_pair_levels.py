@@ -99,6 +99,18 @@ def test_lowers_to_mosaic_kernels_and_no_triton(splits, expected):
     assert gla_lowered_kernels(sizes, q, v, g, s0) == expected
 
 
+# The options not yet the default lower for Hopper (wgmma's operand swizzles, TMA tiles): 32-column
+# value tiles with 64-byte swizzles, and the key groups' partial sums in 16 bits.
+def test_options_lower_to_mosaic_kernels():
+    q = jax.ShapeDtypeStruct((1, 500, 2, 256), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 500, 2, 512), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((1, 500, 2, 256), jnp.float32)
+    s0 = jax.ShapeDtypeStruct((1, 2, 256, 512), jnp.float32)
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=1, mosaic_block_v=32,
+                       mosaic_group_sums="input")
+    assert gla_lowered_kernels(sizes, q, v, g, s0) == ((2, 0), (4, 0))
+
+
 @pytest.mark.parametrize("mode,dtype,match", [
     ("fused_recurrent", jnp.bfloat16, "fused_recurrent"),
     ("chunk", jnp.float32, "float32")])
@@ -112,6 +124,8 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
         BlockSizes(chunk_kernel="cuda")
     with pytest.raises(ValueError, match="mosaic_group_sums='bfloat16'"):
         BlockSizes(mosaic_group_sums="bfloat16")
+    with pytest.raises(ValueError, match="mosaic_block_v=48"):
+        BlockSizes(mosaic_block_v=48)
 
 
 # The key groups' partial sums of o and dv in the input dtype (BlockSizes.mosaic_group_sums):
@@ -123,6 +137,20 @@ def test_interpret_parity_group_sums_16bit(dtype):
     sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_group_sums="input")
     check_gla_parity(case, jax.random.key(11), dtype=dtype, backend="pallas_gpu", interpret=True,
                      block_sizes=sizes)
+
+
+# The state passes in 32-column value tiles (BlockSizes.mosaic_block_v=32): two tiles of V = 64
+# and four of V = 128 with an initial state; in --full K = 300 (three groups) with the groups'
+# partial sums in 16 bits too (64-byte rows).
+@pytest.mark.parametrize("case,sums", [
+    (GLACase(1, 130, 2, 64, 128, gate="key", initial_state=True), "float32"),
+    pytest.param(GLACase(1, 70, 2, 300, 64, gate="key", gate_strength=16.0, initial_state=True),
+                 "input", marks=pytest.mark.full),
+], ids=str)
+def test_interpret_parity_value_tiles_of_32(case, sums):
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_block_v=32, mosaic_group_sums=sums)
+    check_gla_parity(case, jax.random.key(12), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     interpret=True, block_sizes=sizes)
 
 
 # Gradients through one of the two outputs: the other's cotangent is a symbolic zero, which the
@@ -209,13 +237,19 @@ def test_gpu_parity(case, dtype):
 
 
 
-# The key groups' partial sums in the input dtype on the GPU: K = 256 / V = 512 (two groups) and
-# K = 512 (four) at strong gates.
+# The options not yet the default, on the GPU: the key groups' partial sums in the input dtype
+# (K = 256 / V = 512, two groups; K = 512, four, at strong gates) and 32-column value tiles
+# (K = V = 128 at T = 4096; K = 256 / V = 512 with both options).
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
-                                  GLACase(1, 1000, 2, 512, 192, gate="key", gate_strength=1e-3)],
-                         ids=str)
-def test_gpu_parity_group_sums_16bit(case):
-    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_group_sums="input")
+@pytest.mark.parametrize("case,sizes", [
+    (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
+     dict(mosaic_group_sums="input")),
+    (GLACase(1, 1000, 2, 512, 192, gate="key", gate_strength=1e-3),
+     dict(mosaic_group_sums="input")),
+    (GLACase(1, 4096, 2, 128, 128, gate="key", initial_state=True), dict(mosaic_block_v=32)),
+    (GLACase(1, 1024, 2, 256, 512, gate="key"),
+     dict(mosaic_block_v=32, mosaic_group_sums="input")),
+], ids=str)
+def test_gpu_parity_options(case, sizes):
     check_gla_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",
-                     block_sizes=sizes)
+                     block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", **sizes))

@@ -102,8 +102,8 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     """q, k [B, Tp, H, K], v, do [B, Tp, H, V] (16-bit), g float32 log gates [B, Tp, H, K] (per
     key) or [B, Tp, H] (per head), last [B, N, H, K] float32 (b at each chunk's last token), h_hi
     and dh [B, N, H, K, V] 16-bit (the state entering each chunk and the gradient of the state
-    after it), term [B, N, H, V / 64, K] float32 (sum_V h_n dh_{n+1} per value tile, as the
-    reversed state pass writes it; summed here) -> dq, dk [B, Tp, H, K] in q's dtype
+    after it), term [B, N, H, V / block_v, K] float32 (sum_V h_n dh_{n+1} per value tile of the
+    reversed state pass, which writes it; summed here) -> dq, dk [B, Tp, H, K] in q's dtype
     and dg float32 in g's shape (per head: each slab's dg summed over its keys in the kernel, the
     slabs by XLA). With key groups (kernels_mosaic_state.Pass.groups), H counts virtual heads and
     v, do have H / groups heads."""
@@ -114,8 +114,9 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     if tp % c or kd % SLAB or vd % SLAB or vtiles > VALUE_TILES:
         raise ValueError(f"padded T={tp}, K={kd}, V={vd}: T and K multiples of {c} and {SLAB}, "
                          f"V a multiple of {SLAB} up to {VALUE_TILES * SLAB}")
-    if term.shape != (bsz, n, h, vtiles, kd):
-        raise ValueError(f"term {term.shape}: expected {(bsz, n, h, vtiles, kd)}")
+    term_tiles = term.shape[3]  # the state pass's value tiles
+    if term.shape != (bsz, n, h, term_tiles, kd) or vd % term_tiles:
+        raise ValueError(f"term {term.shape}: expected {(bsz, n, h, 'a divisor of V', kd)}")
     levels = pair_levels.num_levels(c)
     shape = (c, SLAB)
     per_head = g.ndim == 3
@@ -233,7 +234,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))
 
         # dg = sum_{s < t} Y_s + e^(b_last) term + sum_{s >= t} cancel_s
-        term = sum(plgpu.load(terms.at[j], layout=COL) for j in range(vtiles))
+        term = sum(plgpu.load(terms.at[j], layout=COL) for j in range(term_tiles))
         state = cols(jnp.exp(plgpu.load(b_last, layout=COL)) * term, shape)
         plgpu.barrier_wait(ranges_in)  # before (fetched by the last level)
         dg = matmul([(dg_ranges, part) for part in y_parts], shape, interpret=interpret,
@@ -267,7 +268,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
         plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
         plgpu.SMEM((SLAB,), F32),  # b_last
-        plgpu.SMEM((vtiles, SLAB), F32),  # the state term of each value tile
+        plgpu.SMEM((term_tiles, SLAB), F32),  # the state term of each value tile
         # q, k, b_last, the state term (, per-head gates)
         plgpu.Barrier(num_arrivals=5 if per_head else 4),
         plgpu.Barrier(num_arrivals=4, num_barriers=2),  # a value tile's four, per ring stage

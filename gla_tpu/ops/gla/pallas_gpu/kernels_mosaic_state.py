@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_F32, ring_producer
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_64, SWIZZLED_F32, ring_producer
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     COMPILER_PARAMS,
     F32,
@@ -47,7 +47,8 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     rows,
 )
 
-BLOCK_V = 64  # value columns per block (the state tile [K, 64] lives in registers)
+BLOCK_V = 64  # value columns per block by default (the state tile [K, 64] lives in registers)
+BLOCK_VS = (32, 64)  # the value tiles it takes (Pass.block_v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Pass:
     # the groups' partial output sums in x's dtype instead of float32 (half the bytes written
     # and read back; one more rounding)
     sums_16bit: bool = False
+    # value columns per block: 64, or 32 for twice the blocks (shapes whose B H V / 64 blocks
+    # leave an SM with one); the state tile is [K, block_v]
+    block_v: int = BLOCK_V
 
 
 def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interpret):
@@ -77,15 +81,18 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     the batch by reshapes (vjp.py).
 
     Returns, in this order, what `p` asks for: out [B, Tp, H / G, V] in x's dtype (outputs), the
-    stored parts of S per chunk ([B, N, H, K, V] each), the state term [B, N, H, V / BLOCK_V, K]
+    stored parts of S per chunk ([B, N, H, K, V] each), the state term [B, N, H, V / block_v, K]
     float32 (per value tile; the caller sums the tiles), and the last state [B, H, K, V]
     float32."""
     bsz, tp, h, kd = x.shape
     vd = y.shape[-1]
     c, stages, dtype, groups = p.chunk, p.stages, x.dtype, p.groups
     n = tp // c
-    if tp % c or vd % BLOCK_V:
-        raise ValueError(f"padded T={tp} and V={vd} must be multiples of {c}, {BLOCK_V}")
+    bv = p.block_v
+    if bv not in BLOCK_VS:
+        raise ValueError(f"Pass.block_v={bv} must be one of {BLOCK_VS}")
+    if tp % c or vd % bv:
+        raise ValueError(f"padded T={tp} and V={vd} must be multiples of {c}, {bv}")
     if y.shape[2] * groups != h:
         raise ValueError(f"x's {h} virtual heads must be y's {y.shape[2]} heads x {groups} groups")
     has_s0 = s0 is not None
@@ -109,13 +116,13 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         last_ref = refs.pop(0)
         scratch = dict(zip(scratch_names, refs))
         tile, head, batch, wg = (lax.axis_index(name) for name in ("value", "head", "batch", "wg"))
-        vcols = pl.ds(tile * BLOCK_V, BLOCK_V)
+        vcols = pl.ds(tile * bv, bv)
 
         def chunk_index(i):
             return n - 1 - i if p.reverse else i
 
         def out_tile(ref, chunk):
-            """ref's [C, BLOCK_V] tile of one chunk (out or the partial sums, [B, Tp, H / G, V])."""
+            """ref's [C, block_v] tile of one chunk (out or the partial sums, [B, Tp, H / G, V])."""
             return ref.at[batch, pl.ds(chunk * c, c), head, vcols]
 
         def store(staging, value, ref, chunk):
@@ -124,7 +131,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
             plgpu.copy_smem_to_gmem(staging, out_tile(ref, chunk), commit_group=False)
 
         def store_out(o, group, chunk):
-            """o [C, BLOCK_V] float32 of one group -> out (the last group) or the partial sum."""
+            """o [C, block_v] float32 of one group -> out (the last group) or the partial sum."""
             if not summed:
                 store(scratch["o"], o.astype(dtype), o_ref, chunk)
                 return
@@ -143,7 +150,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                 state = plgpu.load(s0_ref.at[batch, vhead, :, vcols], layout=plgpu.Layout.WGMMA,
                                    optimized=False)
             else:
-                state = full((kd, BLOCK_V), 0.0)
+                state = full((kd, bv), 0.0)
 
             def step(i, state):
                 slot = lax.rem(group * n + i, jnp.int32(stages))
@@ -183,7 +190,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     a_s = scratch["a"].at[slot]
                     o = matmul([(scratch["w"].at[slot], parts[0]),
                                 (scratch["w"].at[slot], parts[1]),
-                                (T(a_s) if p.reverse else a_s, y_s)], (c, BLOCK_V),
+                                (T(a_s) if p.reverse else a_s, y_s)], (c, bv),
                                interpret=interpret)
                 state = matmul([(T(x_s), y_s)], state.shape, interpret=interpret, init=decayed)
                 if interpret:  # jnp.dot read the slot through the generic proxy: order it
@@ -202,7 +209,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
 
         @pl.when(wg == 0)
         def _():
-            plgpu.set_max_registers(232, action="increase")
+            # 32 columns: fewer, so that two blocks' warpgroups fit an SM's 64 K registers
+            plgpu.set_max_registers(232 if bv == 64 else 208, action="increase")
             if groups == 1:
                 run_group(jnp.int32(0))
             else:
@@ -232,28 +240,30 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
 
             ring_producer(load, steps=groups * n, stages=stages, free=(scratch["free"],))
 
-    tiled = dict(transforms=SWIZZLED)
+    # 16-bit tiles: [., block_v] ones in rows of 128 bytes take the 128-byte swizzle, of 64 the
+    # 64-byte one; wgmma wants both operands' swizzles equal, so x, w and a follow them
+    tiled = dict(transforms=SWIZZLED if bv * jnp.dtype(dtype).itemsize >= 128 else SWIZZLED_64)
     scratch_types = {
         "x": plgpu.SMEM((stages, c, kd), dtype, **tiled),
-        "y": plgpu.SMEM((stages, c, BLOCK_V), dtype, **tiled),
+        "y": plgpu.SMEM((stages, c, bv), dtype, **tiled),
         "decay": plgpu.SMEM((stages, kd), F32),
     }
     if p.outputs:
         scratch_types["w"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
         scratch_types["a"] = plgpu.SMEM((stages, c, c), dtype, **tiled)
-        scratch_types["o"] = plgpu.SMEM((c, BLOCK_V), dtype, **tiled)
+        scratch_types["o"] = plgpu.SMEM((c, bv), dtype, **tiled)
     if summed:
         scratch_types["partial"] = plgpu.SMEM(
-            (c, BLOCK_V), sum_dtype, transforms=SWIZZLED if p.sums_16bit else SWIZZLED_F32)
+            (c, bv), sum_dtype, **(tiled if p.sums_16bit else dict(transforms=SWIZZLED_F32)))
         scratch_types["partial_ready"] = plgpu.Barrier()
     if p.state_term:
         for name in ("h_hi", "h_lo"):
-            scratch_types[name] = plgpu.SMEM((stages, kd, BLOCK_V), dtype, **tiled)
+            scratch_types[name] = plgpu.SMEM((stages, kd, bv), dtype, **tiled)
         scratch_types["term"] = plgpu.SMEM((kd,), F32)
     if p.store_parts or p.outputs:
-        scratch_types["st_hi"] = plgpu.SMEM((kd, BLOCK_V), dtype, **tiled)
+        scratch_types["st_hi"] = plgpu.SMEM((kd, bv), dtype, **tiled)
         if p.store_parts == 2 or p.outputs:
-            scratch_types["st_lo"] = plgpu.SMEM((kd, BLOCK_V), dtype, **tiled)
+            scratch_types["st_lo"] = plgpu.SMEM((kd, bv), dtype, **tiled)
     loads = 3 + 2 * p.outputs + 2 * p.state_term
     scratch_types["ready"] = plgpu.Barrier(num_arrivals=loads, num_barriers=stages)
     scratch_types["free"] = plgpu.Barrier(num_barriers=stages)
@@ -268,14 +278,14 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), sum_dtype))
     out_type += [parts_type] * p.store_parts
     if p.state_term:
-        out_type.append(jax.ShapeDtypeStruct((bsz, n, h, vd // BLOCK_V, kd), F32))
+        out_type.append(jax.ShapeDtypeStruct((bsz, n, h, vd // bv, kd), F32))
     out_type.append(jax.ShapeDtypeStruct((bsz, h, kd, vd), F32))
     name = "gla_dstate_mosaic" if p.reverse else "gla_state_mosaic"
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=list(scratch_types.values()),
-        grid=(vd // BLOCK_V, heads, bsz),
+        grid=(vd // bv, heads, bsz),
         grid_names=("value", "head", "batch"),
         num_threads=2,
         thread_name="wg",

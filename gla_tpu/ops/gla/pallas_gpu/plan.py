@@ -21,6 +21,7 @@ VALUE_BLOCKS = (64, 128)
 FORWARD_KERNELS = ("auto", "triton", "mosaic_gpu")
 CHUNK_KERNELS = ("auto", "triton", "mosaic_gpu")
 GROUP_SUMS = ("float32", "input")
+STATE_BLOCK_VS = (32, 64)
 MOSAIC_BLOCK_V = 64  # V tile of the Mosaic GPU forward (one block per V tile, head and batch)
 MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in registers)
 
@@ -53,6 +54,9 @@ class BlockSizes:
         before it, which goes through global memory: "float32", or "input" (the input dtype:
         half the bytes, one more rounding of a partial sum; docs/gpu_backend.md, "Key groups'
         partial sums in 16 bits").
+      mosaic_block_v: value columns per block of the pair-level state passes: 64, or 32 (twice
+        the blocks, two to an SM where B H V / 64 blocks leave an SM with one; not the default
+        until timed: docs/gpu_backend.md, "32-column value tiles").
     """
 
     block_v: int | None = None
@@ -63,6 +67,7 @@ class BlockSizes:
     mosaic_time_splits: int | None = None
     chunk_kernel: str = "auto"
     mosaic_group_sums: str = "float32"
+    mosaic_block_v: int = 64
 
     def __post_init__(self):
         splits = self.mosaic_time_splits
@@ -76,6 +81,9 @@ class BlockSizes:
         if self.chunk_kernel not in CHUNK_KERNELS:
             raise ValueError(f"BlockSizes.chunk_kernel={self.chunk_kernel!r} must be one of "
                              f"{CHUNK_KERNELS}.")
+        if self.mosaic_block_v not in STATE_BLOCK_VS:
+            raise ValueError(f"BlockSizes.mosaic_block_v={self.mosaic_block_v!r} must be one of "
+                             f"{STATE_BLOCK_VS}.")
         if self.mosaic_group_sums not in GROUP_SUMS:
             raise ValueError(f"BlockSizes.mosaic_group_sums={self.mosaic_group_sums!r} must be "
                              f"one of {GROUP_SUMS}.")
@@ -125,6 +133,8 @@ class ChunkGeometry:
     key_groups: int = 1
     # the key groups' partial output sums in the input dtype (BlockSizes.mosaic_group_sums)
     group_sums_16bit: bool = False
+    # value columns per block of the pair-level state passes (BlockSizes.mosaic_block_v)
+    state_block_v: int = 64
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -154,8 +164,9 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
     if mosaic_forward or mosaic_chunk:
         # the state passes' blocks: one per value tile, head and batch row (a block walks the
         # key groups in turn)
+        tile = block_sizes.mosaic_block_v if mosaic_chunk else MOSAIC_BLOCK_V
         splits = block_sizes.mosaic_time_splits or mosaic_time_splits(
-            batch * heads * (value_dim // MOSAIC_BLOCK_V), num_chunks)
+            batch * heads * (value_dim // tile), num_chunks)
     return ChunkGeometry(
         chunk=CHUNK, block_k=BLOCK_K, block_v=block_v, key_dim=key_dim,
         value_dim=value_dim, num_chunks=num_chunks, scale=scale,
@@ -164,6 +175,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
         mosaic_splits=splits, mosaic_chunk=mosaic_chunk,
         key_groups=groups, group_sums_16bit=block_sizes.mosaic_group_sums == "input",
+        state_block_v=block_sizes.mosaic_block_v,
     )
 
 

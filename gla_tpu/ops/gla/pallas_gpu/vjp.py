@@ -147,16 +147,17 @@ def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, p, splits, interpre
     return [time_split.unfold(out, splits) for out in outs] + [final]
 
 
-def _with_groups(p, geo):
-    """The state pass `p` over geo's key groups, their partial sums as geo asks."""
-    return dataclasses.replace(p, groups=geo.key_groups, sums_16bit=geo.group_sums_16bit)
+def _configured(p, geo):
+    """The state pass `p` as geo asks: its key groups, their partial sums, its value tile."""
+    return dataclasses.replace(p, groups=geo.key_groups, sums_16bit=geo.group_sums_16bit,
+                               block_v=geo.state_block_v)
 
 
 def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
     # last: b at each chunk's last token, [B, N, H, K] float32
     a, qd, kd, last = kernels_mosaic_levels.prep(q, k, g, scale=geo.scale, interpret=interpret)
     o, *parts, final = _state_pass_split(
-        kd, v, last, s0, w=qd, a=a, p=_with_groups(p, geo),
+        kd, v, last, s0, w=qd, a=a, p=_configured(p, geo),
         splits=geo.mosaic_splits, interpret=interpret)
     return (o, final), (a, qd, kd, last, *parts)
 
@@ -184,7 +185,7 @@ def _mosaic_bwd(geo, interpret, residuals, cotangents):
     dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal.astype(jnp.float32)
     dv, dh, term, ds0 = _state_pass_split(
         qd, do, last, dfinal, w=kd, a=a, h_parts=(h_hi, h_lo),
-        p=_with_groups(_REVERSED, geo), splits=geo.mosaic_splits,
+        p=_configured(_REVERSED, geo), splits=geo.mosaic_splits,
         interpret=interpret)
     dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh, term,
                                                   scale=geo.scale, interpret=interpret,
