@@ -11,8 +11,8 @@ that runs each kernel once for a profiler (ncu). GPU only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,21 +25,23 @@ from gla_tpu.ops.common.flops import gla_flops
 from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_grads, kernels_mosaic_levels, \
     kernels_mosaic_state
 from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_GROUP_KEYS
-from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING
+from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING, _configured
 
 
 def kernel_stages(scale, groups=1, sizes=None):
     """name -> (function, names of its arguments), in the order the forward and backward run;
     `groups` groups of keys as virtual heads (plan.ChunkGeometry.key_groups), as ops.gla runs
     K above 128; `sizes`: BlockSizes fields of the state passes (mosaic_group_sums,
-    mosaic_block_v) as in ops.gla."""
+    mosaic_block_v, mosaic_state_parts) as in ops.gla."""
     sizes = sizes or {}
     sp = kernels_mosaic_state.state_pass
-    inference, training, reversed_ = (
-        dataclasses.replace(p, groups=groups,
-                            sums_16bit=sizes.get("mosaic_group_sums") == "input",
-                            block_v=sizes.get("mosaic_block_v", kernels_mosaic_state.BLOCK_V))
-        for p in (_INFERENCE, _TRAINING, _REVERSED))
+    geo = types.SimpleNamespace(  # what vjp._configured reads of a ChunkGeometry
+        key_groups=groups, group_sums_16bit=sizes.get("mosaic_group_sums") == "input",
+        state_block_v=sizes.get("mosaic_block_v", kernels_mosaic_state.BLOCK_V),
+        state_parts=sizes.get("mosaic_state_parts", 2))
+    inference, training, reversed_ = (_configured(p, geo)
+                                      for p in (_INFERENCE, _TRAINING, _REVERSED))
+    parts = ("h_hi", "h_lo")[:reversed_.term_parts]
     return {
         "prep": (lambda q, k, g: kernels_mosaic_levels.prep(q, k, g, scale=scale, interpret=False),
                  ("q", "k", "g")),
@@ -49,9 +51,9 @@ def kernel_stages(scale, groups=1, sizes=None):
         "state_training": (lambda kd, v, last, qd, a: sp(kd, v, last, None, w=qd, a=a,
                                                          p=training, interpret=False),
                            ("kd", "v", "last", "qd", "a")),
-        "state_reversed": (lambda qd, do, last, kd, a, h_hi, h_lo: sp(
-            qd, do, last, None, w=kd, a=a, h_parts=(h_hi, h_lo), p=reversed_, interpret=False),
-            ("qd", "do", "last", "kd", "a", "h_hi", "h_lo")),
+        "state_reversed": (lambda qd, do, last, kd, a, *h_parts: sp(
+            qd, do, last, None, w=kd, a=a, h_parts=h_parts, p=reversed_, interpret=False),
+            ("qd", "do", "last", "kd", "a") + parts),
         "grads": (lambda q, k, v, do, g, last, h_hi, dh, term: kernels_mosaic_grads.chunk_grads(
             q, k, v, do, g, last, h_hi, dh, term, scale=scale, interpret=False, groups=groups),
             ("q", "k", "v", "do", "g", "last", "h_hi", "dh", "term")),
@@ -72,8 +74,9 @@ def kernel_operands(shape, gate, seed=0, sizes=None):
     stages = kernel_stages(kd ** -0.5, groups, sizes)
     env["a"], env["qd"], env["kd"], env["last"] = jax.jit(stages["prep"][0])(
         env["q"], env["k"], env["g"])
-    _, env["h_hi"], env["h_lo"], _ = jax.jit(stages["state_training"][0])(
+    _, *h_parts, _ = jax.jit(stages["state_training"][0])(
         *(env[x] for x in stages["state_training"][1]))
+    env.update(zip(("h_hi", "h_lo"), h_parts))
     _, env["dh"], env["term"], _ = jax.jit(stages["state_reversed"][0])(
         *(env[x] for x in stages["state_reversed"][1]))
     return env, stages

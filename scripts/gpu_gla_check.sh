@@ -10,7 +10,7 @@
 #   bash scripts/gpu_gla_check.sh side_k256  # K = 256 against fla's forward and backward
 #   bash scripts/gpu_gla_check.sh side_jla   # the three shapes jla runs, fla's forward beside
 #   bash scripts/gpu_gla_check.sh side       # both, 290 s each (with fla's autotuning cached)
-#   bash scripts/gpu_gla_check.sh options    # mosaic_group_sums / mosaic_block_v against defaults
+#   bash scripts/gpu_gla_check.sh options    # mosaic_group_sums / _block_v / _state_parts vs defaults
 #
 # One part per call: a command may run 10 minutes. Without a cache fla's autotuning alone took
 # the 300 s the K = 256 half once had (2026-11-27), so each half gets a call of its own.
@@ -49,13 +49,13 @@ if [[ ",$parts," == *",kernels,"* ]]; then
   done
 fi
 if [[ ",$parts," == *",options,"* ]]; then  # the BlockSizes options not yet the default
-  step options_k256 250 python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
+  step options_k256 280 python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
     --gates fla --parts check,total --out "$work" --tag options_k256 \
-    --sizes "default;mosaic_group_sums=input;mosaic_block_v=32,mosaic_group_sums=input"
+    --sizes "default;mosaic_group_sums=input;mosaic_state_parts=1;mosaic_group_sums=input,mosaic_state_parts=1"
   for shape in 4,4096,16,128,128 2,16384,8,128,128; do
-    step "options_${shape//,/_}" 140 python3 bench/gpu_gla_pair_levels.py --shape "$shape" \
+    step "options_${shape//,/_}" 130 python3 bench/gpu_gla_pair_levels.py --shape "$shape" \
       --gates fla --parts check,total --out "$work" --tag "options_${shape//,/_}" \
-      --sizes "default;mosaic_block_v=32"
+      --sizes "default;mosaic_block_v=32;mosaic_state_parts=1"
   done
 fi
 # "side" runs both halves in one call, which fits only once fla's autotuning is cached (_tc/);

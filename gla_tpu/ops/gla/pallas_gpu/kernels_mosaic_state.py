@@ -13,7 +13,8 @@ exp(b_last) [K]:
 Forward: x = kd, y = v, w = qd, out = o, and S the state h_n (stored as two 16-bit parts,
 h = hi + lo). Reversed: x = qd, y = do, w = kd, out = dv, and S the gradient dh_{n+1} of the
 state after chunk n (stored as one 16-bit part); it also sums the state term of dg,
-sum_V h_n dh_{n+1} [K], from the forward's two parts. The loop ends on the final state (forward)
+sum_V h_n dh_{n+1} [K], from the forward's two parts (or from hi alone and, at each row's first
+chunk, the float32 state entering it: Pass.term_parts). The loop ends on the final state (forward)
 or d initial_state (reversed), float32. w S takes S in its two 16-bit parts, so the inter-chunk
 product keeps float32 accuracy.
 
@@ -71,12 +72,18 @@ class Pass:
     # value columns per block: 64, or 32 for twice the blocks (shapes whose B H V / 64 blocks
     # leave an SM with one); the state tile is [K, block_v]
     block_v: int = BLOCK_V
+    # 16-bit parts of the forward's states the state term reads (state_term): 2 (hi and lo), or
+    # 1 (hi; the first chunk's state then comes exact from state_pass's h_first)
+    term_parts: int = 2
 
 
-def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interpret):
+def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p: Pass,
+               interpret):
     """x [B, Tp, H, K], y [B, Tp, H / G, V] (16-bit), decay [B, N, H, K] float32 (b_last per
     chunk), s0 [B, H, K, V] float32 or None, w [B, Tp, H, K] and a [B, Tp, H, C] (p.outputs),
-    h_parts (two [B, N, H, K, V] 16-bit arrays, p.state_term); H counts virtual heads, G =
+    h_parts (p.term_parts [B, N, H, K, V] 16-bit arrays, p.state_term), h_first [B, H, K, V]
+    float32 or None (zero): the state entering each batch row's first chunk, which the state term
+    takes there instead of the stored part where p.term_parts == 1; H counts virtual heads, G =
     p.groups per head of y. Every per-chunk array is chunk-major, so that segments of T fold into
     the batch by reshapes (vjp.py).
 
@@ -96,6 +103,12 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
     if y.shape[2] * groups != h:
         raise ValueError(f"x's {h} virtual heads must be y's {y.shape[2]} heads x {groups} groups")
     has_s0 = s0 is not None
+    if p.state_term and len(h_parts) != p.term_parts:
+        raise ValueError(f"{len(h_parts)} parts of h for Pass.term_parts={p.term_parts}")
+    # the state term's first chunk from h_first (a 16-bit part alone there rounds an initial
+    # state that dg at a few tokens depends on; docs/gpu_backend.md, "One stored part of h")
+    exact_first = p.state_term and p.term_parts == 1 and h_first is not None
+    h_names = ("h_hi", "h_lo")[:p.term_parts]
     # a block walks its head's key groups one after another; each group's out is added to the
     # float32 partial sum of the groups before it (`partial`, an output read back by TMA), and the
     # last group writes the sum in x's dtype
@@ -108,7 +121,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         refs = refs[3:]
         s0_ref = refs.pop(0) if has_s0 else None
         w_ref, a_ref = (refs.pop(0), refs.pop(0)) if p.outputs else (None, None)
-        hp_refs = (refs.pop(0), refs.pop(0)) if p.state_term else None
+        hp_refs = [refs.pop(0) for _ in h_names] if p.state_term else None
+        first_ref = refs.pop(0) if exact_first else None
         o_ref = refs.pop(0) if p.outputs else None
         partial_ref = refs.pop(0) if summed else None
         part_refs = [refs.pop(0) for _ in range(p.store_parts)]
@@ -152,7 +166,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
             else:
                 state = full((kd, bv), 0.0)
 
-            def step(i, state):
+            def step(i, state, first=False):
                 slot = lax.rem(group * n + i, jnp.int32(stages))
                 chunk = chunk_index(i)
                 plgpu.barrier_wait(scratch["ready"].at[slot])
@@ -176,8 +190,13 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     plgpu.copy_smem_to_gmem(part, part_ref.at[batch, chunk, vhead, :, vcols],
                                             commit_group=False)
                 if p.state_term:
-                    h_full = sum(plgpu.load(hp.at[slot], layout=plgpu.Layout.WGMMA).astype(F32)
-                                 for hp in (scratch["h_hi"], scratch["h_lo"]))
+                    if first:  # the first chunk's state, float32 (its stored part goes unread)
+                        h_full = plgpu.load(first_ref.at[batch, vhead, :, vcols],
+                                            layout=plgpu.Layout.WGMMA, optimized=False)
+                    else:
+                        h_full = sum(plgpu.load(scratch[name].at[slot],
+                                                layout=plgpu.Layout.WGMMA).astype(F32)
+                                     for name in h_names)
                     scratch["term"][...] = jnp.sum(h_full * state, axis=1)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(scratch["term"],
@@ -202,7 +221,11 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                     plgpu.commit_smem_to_gmem_group()
                 return state
 
-            state = lax.fori_loop(0, n, step, state)
+            if exact_first:  # reversed: the walk's last step is the first chunk
+                state = lax.fori_loop(0, n - 1, step, state)
+                state = step(jnp.int32(n - 1), state, first=True)
+            else:
+                state = lax.fori_loop(0, n, step, state)
             # every store done: the next group reads the partial sums back
             plgpu.wait_smem_to_gmem(0)
             last_ref.at[batch, vhead, :, vcols][...] = state
@@ -234,7 +257,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
                                (a_ref.at[batch, tokens, vhead], scratch["a"])]
                 if p.state_term:
                     copies += [(hp.at[batch, chunk, vhead, :, vcols], scratch[name])
-                               for hp, name in zip(hp_refs, ("h_hi", "h_lo"))]
+                               for hp, name in zip(hp_refs, h_names)]
                 for src, dst in copies:
                     plgpu.copy_gmem_to_smem(src, dst.at[slot], ready)
 
@@ -257,14 +280,14 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
             (c, bv), sum_dtype, **(tiled if p.sums_16bit else dict(transforms=SWIZZLED_F32)))
         scratch_types["partial_ready"] = plgpu.Barrier()
     if p.state_term:
-        for name in ("h_hi", "h_lo"):
+        for name in h_names:
             scratch_types[name] = plgpu.SMEM((stages, kd, bv), dtype, **tiled)
         scratch_types["term"] = plgpu.SMEM((kd,), F32)
     if p.store_parts or p.outputs:
         scratch_types["st_hi"] = plgpu.SMEM((kd, bv), dtype, **tiled)
         if p.store_parts == 2 or p.outputs:
             scratch_types["st_lo"] = plgpu.SMEM((kd, bv), dtype, **tiled)
-    loads = 3 + 2 * p.outputs + 2 * p.state_term
+    loads = 3 + 2 * p.outputs + p.term_parts * p.state_term
     scratch_types["ready"] = plgpu.Barrier(num_arrivals=loads, num_barriers=stages)
     scratch_types["free"] = plgpu.Barrier(num_barriers=stages)
     scratch_names = list(scratch_types)
@@ -298,6 +321,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, p: Pass, interp
         operands += [w, a]
     if p.state_term:
         operands += list(h_parts)
+    if exact_first:
+        operands.append(h_first)
     with jax.named_scope(f"{name}_key_dim={kd}"):
         outs = kernel(*operands)
     if summed:  # the partial sums are the kernel's scratch

@@ -22,6 +22,7 @@ FORWARD_KERNELS = ("auto", "triton", "mosaic_gpu")
 CHUNK_KERNELS = ("auto", "triton", "mosaic_gpu")
 GROUP_SUMS = ("float32", "input")
 STATE_BLOCK_VS = (32, 64)
+STATE_PARTS = (1, 2)
 MOSAIC_BLOCK_V = 64  # V tile of the Mosaic GPU forward (one block per V tile, head and batch)
 MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in registers)
 
@@ -57,6 +58,10 @@ class BlockSizes:
       mosaic_block_v: value columns per block of the pair-level state passes: 64, or 32 (twice
         the blocks, two to an SM where B H V / 64 blocks leave an SM with one; not the default
         until timed: docs/gpu_backend.md, "32-column value tiles").
+      mosaic_state_parts: 16-bit parts of h per chunk that the differentiated forward stores for
+        the backward's state term: 2 (hi and lo), or 1 (hi, half the bytes written and read
+        back; the first chunk's state then comes in float32; docs/gpu_backend.md, "One stored
+        part of h"; not the default until timed).
     """
 
     block_v: int | None = None
@@ -68,6 +73,7 @@ class BlockSizes:
     chunk_kernel: str = "auto"
     mosaic_group_sums: str = "float32"
     mosaic_block_v: int = 64
+    mosaic_state_parts: int = 2
 
     def __post_init__(self):
         splits = self.mosaic_time_splits
@@ -81,6 +87,9 @@ class BlockSizes:
         if self.chunk_kernel not in CHUNK_KERNELS:
             raise ValueError(f"BlockSizes.chunk_kernel={self.chunk_kernel!r} must be one of "
                              f"{CHUNK_KERNELS}.")
+        if self.mosaic_state_parts not in STATE_PARTS:
+            raise ValueError(f"BlockSizes.mosaic_state_parts={self.mosaic_state_parts!r} must be "
+                             f"one of {STATE_PARTS}.")
         if self.mosaic_block_v not in STATE_BLOCK_VS:
             raise ValueError(f"BlockSizes.mosaic_block_v={self.mosaic_block_v!r} must be one of "
                              f"{STATE_BLOCK_VS}.")
@@ -135,6 +144,8 @@ class ChunkGeometry:
     group_sums_16bit: bool = False
     # value columns per block of the pair-level state passes (BlockSizes.mosaic_block_v)
     state_block_v: int = 64
+    # 16-bit parts of h stored for the backward (BlockSizes.mosaic_state_parts)
+    state_parts: int = 2
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -175,7 +186,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         exact_inter=exact_inter, per_head=per_head, mosaic_forward=mosaic_forward,
         mosaic_splits=splits, mosaic_chunk=mosaic_chunk,
         key_groups=groups, group_sums_16bit=block_sizes.mosaic_group_sums == "input",
-        state_block_v=block_sizes.mosaic_block_v,
+        state_block_v=block_sizes.mosaic_block_v, state_parts=block_sizes.mosaic_state_parts,
     )
 
 

@@ -121,14 +121,18 @@ def mosaic_chunked(q, k, v, g, s0, geo, interpret):
     return _mosaic_forward(q, k, v, g, s0, geo, interpret, _INFERENCE)[0]
 
 
-def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, p, splits, interpret):
+def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, h_first=None, p, splits,
+                      interpret):
     """kernels_mosaic_state.state_pass over P segments of T side by side (more blocks where B H
     V / 64 cannot fill the GPU; time_split.py): a states-only pass from zero per segment, a scan
     of those into each segment's starting state, then the full pass. Returns what state_pass
-    returns, the last state that of the whole T."""
+    returns, the last state that of the whole T, then the state each (folded) batch row starts
+    from ([B * P, H, K, V] float32; s0, maybe None, without a split). h_first: that of a
+    forward, for the reversed pass's state term (state_pass)."""
     if splits == 1:
-        return kernels_mosaic_state.state_pass(x, y, last, s0, w=w, a=a, h_parts=h_parts, p=p,
-                                               interpret=interpret)
+        return list(kernels_mosaic_state.state_pass(x, y, last, s0, w=w, a=a, h_parts=h_parts,
+                                                    h_first=h_first, p=p,
+                                                    interpret=interpret)) + [s0]
     bsz, n, h, kd = last.shape
     vd = y.shape[3]
     split = functools.partial(time_split.fold, splits=splits)
@@ -141,25 +145,30 @@ def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, p, splits, interpre
     s_in = time_split.segment_starts(local, decay, start, reverse=p.reverse)
     h_parts = None if h_parts is None else tuple(split(x) for x in h_parts)
     *outs, final = kernels_mosaic_state.state_pass(split(x), split(y), split(last), s_in,
-                                                   w=split(w), a=split(a), h_parts=h_parts, p=p,
-                                                   interpret=interpret)
+                                                   w=split(w), a=split(a), h_parts=h_parts,
+                                                   h_first=h_first, p=p, interpret=interpret)
     final = final.reshape(bsz, splits, *final.shape[1:])[:, 0 if p.reverse else -1]
-    return [time_split.unfold(out, splits) for out in outs] + [final]
+    return [time_split.unfold(out, splits) for out in outs] + [final, s_in]
 
 
 def _configured(p, geo):
-    """The state pass `p` as geo asks: its key groups, their partial sums, its value tile."""
-    return dataclasses.replace(p, groups=geo.key_groups, sums_16bit=geo.group_sums_16bit,
-                               block_v=geo.state_block_v)
+    """The state pass `p` as geo asks: its key groups, their partial sums, its value tile, the
+    parts of h the training pass stores and the state term reads."""
+    one_part = geo.state_parts == 1
+    return dataclasses.replace(
+        p, groups=geo.key_groups, sums_16bit=geo.group_sums_16bit, block_v=geo.state_block_v,
+        store_parts=min(p.store_parts, 1) if one_part else p.store_parts,
+        term_parts=1 if one_part else p.term_parts)
 
 
 def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
     # last: b at each chunk's last token, [B, N, H, K] float32
     a, qd, kd, last = kernels_mosaic_levels.prep(q, k, g, scale=geo.scale, interpret=interpret)
-    o, *parts, final = _state_pass_split(
+    o, *parts, final, starts = _state_pass_split(
         kd, v, last, s0, w=qd, a=a, p=_configured(p, geo),
         splits=geo.mosaic_splits, interpret=interpret)
-    return (o, final), (a, qd, kd, last, *parts)
+    # one stored part of h: the state term takes each row's first chunk from `starts` (float32)
+    return (o, final), (a, qd, kd, last, tuple(parts), starts if geo.state_parts == 1 else None)
 
 
 def _mosaic_fwd(q, k, v, g, s0, geo, interpret):
@@ -178,16 +187,16 @@ def _dense(cotangent, dtype):
 
 
 def _mosaic_bwd(geo, interpret, residuals, cotangents):
-    q, k, v, g, s0, a, qd, kd, last, h_hi, h_lo = residuals
+    q, k, v, g, s0, a, qd, kd, last, h_parts, h_first = residuals
     do, dfinal = cotangents
     do = _dense(do, v.dtype)
     # no cotangent of the final state: the reversed pass starts from zero in registers
     dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal.astype(jnp.float32)
-    dv, dh, term, ds0 = _state_pass_split(
-        qd, do, last, dfinal, w=kd, a=a, h_parts=(h_hi, h_lo),
+    dv, dh, term, ds0, _ = _state_pass_split(
+        qd, do, last, dfinal, w=kd, a=a, h_parts=h_parts, h_first=h_first,
         p=_configured(_REVERSED, geo), splits=geo.mosaic_splits,
         interpret=interpret)
-    dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_hi, dh, term,
+    dq, dk, dg = kernels_mosaic_grads.chunk_grads(q, k, v, do, g, last, h_parts[0], dh, term,
                                                   scale=geo.scale, interpret=interpret,
                                                   groups=geo.key_groups)
     return dq, dk, dv, dg, None if s0 is None else ds0
