@@ -23,6 +23,7 @@ CHUNK_KERNELS = ("auto", "triton", "mosaic_gpu")
 GROUP_SUMS = ("float32", "input")
 STATE_BLOCK_VS = (32, 64)
 STATE_PARTS = (1, 2)
+WARPS = (1, 2, 4, 8, 16)
 MOSAIC_BLOCK_V = 64  # V tile of the Mosaic GPU forward (one block per V tile, head and batch)
 MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in registers)
 
@@ -81,28 +82,16 @@ class BlockSizes:
                                        and splits & (splits - 1) == 0):
             raise ValueError(f"BlockSizes.mosaic_time_splits={splits!r} must be None or a power "
                              "of two >= 1.")
-        if self.forward_kernel not in FORWARD_KERNELS:
-            raise ValueError(f"BlockSizes.forward_kernel={self.forward_kernel!r} must be one of "
-                             f"{FORWARD_KERNELS}.")
-        if self.chunk_kernel not in CHUNK_KERNELS:
-            raise ValueError(f"BlockSizes.chunk_kernel={self.chunk_kernel!r} must be one of "
-                             f"{CHUNK_KERNELS}.")
-        if self.mosaic_state_parts not in STATE_PARTS:
-            raise ValueError(f"BlockSizes.mosaic_state_parts={self.mosaic_state_parts!r} must be "
-                             f"one of {STATE_PARTS}.")
-        if self.mosaic_block_v not in STATE_BLOCK_VS:
-            raise ValueError(f"BlockSizes.mosaic_block_v={self.mosaic_block_v!r} must be one of "
-                             f"{STATE_BLOCK_VS}.")
-        if self.mosaic_group_sums not in GROUP_SUMS:
-            raise ValueError(f"BlockSizes.mosaic_group_sums={self.mosaic_group_sums!r} must be "
-                             f"one of {GROUP_SUMS}.")
+        for name, choices in (("forward_kernel", FORWARD_KERNELS), ("chunk_kernel", CHUNK_KERNELS),
+                              ("mosaic_state_parts", STATE_PARTS),
+                              ("mosaic_block_v", STATE_BLOCK_VS), ("mosaic_group_sums", GROUP_SUMS),
+                              ("num_warps", WARPS), ("num_warps_dqk", WARPS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"BlockSizes.{name}={value!r} must be one of {choices}.")
         if self.block_v is not None and self.block_v not in VALUE_BLOCKS:
             raise ValueError(
                 f"BlockSizes.block_v={self.block_v!r} must be None or one of {VALUE_BLOCKS}.")
-        for name in ("num_warps", "num_warps_dqk"):
-            if getattr(self, name) not in (1, 2, 4, 8, 16):
-                raise ValueError(
-                    f"BlockSizes.{name}={getattr(self, name)!r} must be one of 1, 2, 4, 8, 16.")
         if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
             raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int in [1, 8].")
 
