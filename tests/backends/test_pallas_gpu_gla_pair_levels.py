@@ -37,10 +37,10 @@ def test_range_matrices_sum_the_exponents():
     levels = pair_levels.level_of_pairs(chunk)
     r, x = np.nonzero(levels >= 0)
     for level in range(pair_levels.num_levels(chunk)):
-        sums = pair_levels.range_matrices([f"level{level}"], chunk)[0] @ g
+        sums = pair_levels.range_matrices((f"level{level}",), chunk)[0] @ g
         on = levels[r, x] == level
         np.testing.assert_allclose(sums[r[on]] + sums[x[on]], b[r[on]] - b[x[on]], atol=1e-12)
-    prefix, suffix = pair_levels.range_matrices(["prefix", "suffix"], chunk) @ g
+    prefix, suffix = pair_levels.range_matrices(("prefix", "suffix"), chunk) @ g
     np.testing.assert_allclose(prefix, b, atol=1e-12)
     np.testing.assert_allclose(suffix, b[-1] - b, atol=1e-12)
 

@@ -23,6 +23,8 @@ kernels (gla/pallas_gpu/kernels_mosaic_levels.py) and `scores_by_levels` here us
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -33,8 +35,9 @@ def num_levels(chunk: int) -> int:
     return chunk.bit_length() - 1
 
 
-def is_upper(t, level: int):
-    """True where token t (an int array) is in the upper half of its level-`level` block."""
+def is_upper(t, level):
+    """True where token t (an int array, numpy or traced) is in the upper half of its
+    level-`level` block; `level` may be a kernel's loop index."""
     return ((t >> level) & 1) == 1
 
 
@@ -73,15 +76,19 @@ def exponent_range(name: str, chunk: int):
     return bounds[name]
 
 
-def range_matrices(names, chunk: int) -> np.ndarray:
-    """[len(names), C, C] float32 0/1: R[t, s] = 1 where s is in row t's range (`exponent_range`),
-    so R @ g sums the gates g over each row's range."""
+@functools.lru_cache(maxsize=None)
+def range_matrices(names: tuple, chunk: int) -> np.ndarray:
+    """[len(names), C, C] float32 0/1, read-only (built once per names and C, for every trace of
+    the kernels that read it): R[t, s] = 1 where s is in row t's range (`exponent_range`), so
+    R @ g sums the gates g over each row's range."""
     s = np.arange(chunk)[None, :]
     out = []
     for name in names:
         lo, hi = exponent_range(name, chunk)
         out.append(((s > lo[:, None]) & (s <= hi[:, None])).astype(np.float32))
-    return np.stack(out)
+    out = np.stack(out)
+    out.setflags(write=False)
+    return out
 
 
 def scores_by_levels(q, k, b, operand_dtype):

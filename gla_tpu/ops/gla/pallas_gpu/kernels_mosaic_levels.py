@@ -136,12 +136,6 @@ def load_f32(ref):
     return plgpu.load(ref, layout=WGMMA).astype(F32)
 
 
-def is_upper(t, level):
-    """t (int32 >= 0) in the upper half of its level-`level` block, as int32 0/1; `level` may be
-    a loop index."""
-    return (t >> level) & 1
-
-
 def level_pairs(level, chunk: int):
     """[C, C] bool: the pairs (r, x) of level L (r upper, x lower, one block), one compare per
     element: r >> L is 2 B + 1 on the upper half of block B and x >> L is 2 B on its lower half,
@@ -149,7 +143,7 @@ def level_pairs(level, chunk: int):
     u_r == x >> L."""
     r, x = row_index(chunk), col_index(chunk)
     shape = (chunk, chunk)
-    u = jnp.where(is_upper(r, level) == 1, (r >> level) - 1, r - r - 1)
+    u = jnp.where(pair_levels.is_upper(r, level), (r >> level) - 1, r - r - 1)
     return rows(u, shape) == cols(x >> level, shape)
 
 
@@ -210,7 +204,7 @@ def range_sums(ranges_smem, gates, *, interpret: bool, rest=None):
 
 def upper_rows(level, shape):
     """[C, W] bool: the rows of the level's upper halves."""
-    return rows(is_upper(row_index(shape[0]), level) == 1, shape)
+    return rows(pair_levels.is_upper(row_index(shape[0]), level), shape)
 
 
 def level_operand(q_tile, k_tile, factor, upper):
