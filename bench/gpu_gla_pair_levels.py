@@ -4,7 +4,7 @@ that runs each kernel once for a profiler (ncu). GPU only.
 
     python3 bench/gpu_gla_pair_levels.py --shape 4,4096,16,128,128 --gates fla,strong --out OUT
     python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
-        --sizes "default;mosaic_group_sums=input;mosaic_block_v=32"
+        --sizes "default;mosaic_group_sums=float32;mosaic_block_v=32"
     ncu --kernel-name regex:gla_ --launch-count 6 python3 bench/gpu_gla_pair_levels.py --once
 """
 
@@ -24,7 +24,7 @@ from bench.harness import environment
 from gla_tpu.ops.common.flops import gla_flops
 from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_grads, kernels_mosaic_levels, \
     kernels_mosaic_state
-from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_GROUP_KEYS
+from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_GROUP_KEYS, BlockSizes
 from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING, _configured
 
 
@@ -33,12 +33,11 @@ def kernel_stages(scale, groups=1, sizes=None):
     `groups` groups of keys as virtual heads (plan.ChunkGeometry.key_groups), as ops.gla runs
     K above 128; `sizes`: BlockSizes fields of the state passes (mosaic_group_sums,
     mosaic_block_v, mosaic_state_parts) as in ops.gla."""
-    sizes = sizes or {}
+    block_sizes = BlockSizes(**(sizes or {}))
     sp = kernels_mosaic_state.state_pass
     geo = types.SimpleNamespace(  # what vjp._configured reads of a ChunkGeometry
-        key_groups=groups, group_sums_16bit=sizes.get("mosaic_group_sums") == "input",
-        state_block_v=sizes.get("mosaic_block_v", kernels_mosaic_state.BLOCK_V),
-        state_parts=sizes.get("mosaic_state_parts", 2))
+        key_groups=groups, group_sums_16bit=block_sizes.mosaic_group_sums == "input",
+        state_block_v=block_sizes.mosaic_block_v, state_parts=block_sizes.mosaic_state_parts)
     inference, training, reversed_ = (_configured(p, geo)
                                       for p in (_INFERENCE, _TRAINING, _REVERSED))
     parts = ("h_hi", "h_lo")[:reversed_.term_parts]
@@ -197,7 +196,8 @@ def main(argv=None):
                         help="comma list of check, kernels, total, segments")
     parser.add_argument("--sizes", default="default",
                         help="';'-separated variants of BlockSizes fields, each 'default' or "
-                             "'field=value,...' (mosaic_group_sums, mosaic_block_v)")
+                             "'field=value,...' (mosaic_group_sums, mosaic_block_v, "
+                             "mosaic_state_parts)")
     parser.add_argument("--once", action="store_true", help="run each kernel once (profilers)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="gla_pair_levels")

@@ -10,7 +10,8 @@
 #   bash scripts/gpu_gla_check.sh side_k256  # K = 256 against fla's forward and backward
 #   bash scripts/gpu_gla_check.sh side_jla   # the three shapes jla runs, fla's forward beside
 #   bash scripts/gpu_gla_check.sh side       # both, 290 s each (with fla's autotuning cached)
-#   bash scripts/gpu_gla_check.sh options    # mosaic_group_sums / _block_v / _state_parts vs defaults
+#   bash scripts/gpu_gla_check.sh options    # the other mosaic_group_sums / _block_v / _state_parts
+#                                            # (options_k256, options_k128: its two halves)
 #
 # One part per call: a command may run 10 minutes. Without a cache fla's autotuning alone took
 # the 300 s the K = 256 half once had (2026-11-27), so each half gets a call of its own.
@@ -48,14 +49,21 @@ if [[ ",$parts," == *",kernels,"* ]]; then
       --gates fla --parts check,kernels,total --out "$work" --tag "kernels_${shape//,/_}"
   done
 fi
-if [[ ",$parts," == *",options,"* ]]; then  # the BlockSizes options not yet the default
-  step options_k256 280 python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
-    --gates fla --parts check,total --out "$work" --tag options_k256 \
-    --sizes "default;mosaic_group_sums=input;mosaic_state_parts=1;mosaic_group_sums=input,mosaic_state_parts=1"
+# the BlockSizes options that are not the default; "default" again last, to see the drift.
+# OPTION_PARTS, SIZES_K256, SIZES_K128 override what runs (bench/gpu_gla_pair_levels.py's
+# --parts and --sizes)
+option_parts="${OPTION_PARTS:-check,total}"
+sizes_k256="${SIZES_K256:-default;mosaic_group_sums=float32;mosaic_state_parts=2;mosaic_group_sums=float32,mosaic_state_parts=2;default}"
+sizes_k128="${SIZES_K128:-default;mosaic_block_v=32;mosaic_state_parts=2}"
+if [[ ",$parts," == *",options,"* || ",$parts," == *",options_k256,"* ]]; then
+  step options_k256 330 python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
+    --gates fla --parts "$option_parts" --out "$work" --tag options_k256 --sizes "$sizes_k256"
+fi
+if [[ ",$parts," == *",options,"* || ",$parts," == *",options_k128,"* ]]; then
   for shape in 4,4096,16,128,128 2,16384,8,128,128; do
     step "options_${shape//,/_}" 130 python3 bench/gpu_gla_pair_levels.py --shape "$shape" \
-      --gates fla --parts check,total --out "$work" --tag "options_${shape//,/_}" \
-      --sizes "default;mosaic_block_v=32;mosaic_state_parts=1"
+      --gates fla --parts "$option_parts" --out "$work" --tag "options_${shape//,/_}" \
+      --sizes "$sizes_k128"
   done
 fi
 # "side" runs both halves in one call, which fits only once fla's autotuning is cached (_tc/);

@@ -99,16 +99,16 @@ def test_lowers_to_mosaic_kernels_and_no_triton(splits, expected):
     assert gla_lowered_kernels(sizes, q, v, g, s0) == expected
 
 
-# The options not yet the default lower for Hopper (wgmma's operand swizzles, TMA tiles): 32-column
-# value tiles with 64-byte swizzles, the key groups' partial sums in 16 bits, one stored part of h
-# (the reversed pass reading the first chunk's float32 state).
+# The options that are not the default lower for Hopper (wgmma's operand swizzles, TMA tiles):
+# 32-column value tiles with 64-byte swizzles, the key groups' partial sums in float32, two stored
+# parts of h (the defaults, sums in 16 bits and one part, lower in the test above).
 def test_options_lower_to_mosaic_kernels():
     q = jax.ShapeDtypeStruct((1, 500, 2, 256), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((1, 500, 2, 512), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((1, 500, 2, 256), jnp.float32)
     s0 = jax.ShapeDtypeStruct((1, 2, 256, 512), jnp.float32)
     sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=1, mosaic_block_v=32,
-                       mosaic_group_sums="input", mosaic_state_parts=1)
+                       mosaic_group_sums="float32", mosaic_state_parts=2)
     assert gla_lowered_kernels(sizes, q, v, g, s0) == ((2, 0), (4, 0))
 
 
@@ -131,13 +131,15 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
         BlockSizes(mosaic_state_parts=3)
 
 
-# The key groups' partial sums of o and dv in the input dtype (BlockSizes.mosaic_group_sums):
-# K = 300 (three groups, the middle one reading and writing the partial sum), bfloat16 and, in
-# --full, float16; K = 200 split in time.
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.full)])
-def test_interpret_parity_group_sums_16bit(dtype):
+# The key groups' partial sums of o and dv (BlockSizes.mosaic_group_sums) in the input dtype (the
+# default) and in float32: K = 300 (three groups, the middle one reading and writing the partial
+# sum), bfloat16 and, in --full, float16.
+@pytest.mark.parametrize("dtype,sums", [
+    (jnp.bfloat16, "input"), (jnp.bfloat16, "float32"),
+    pytest.param(jnp.float16, "input", marks=pytest.mark.full)], ids=str)
+def test_interpret_parity_group_sums(dtype, sums):
     case = GLACase(1, 70, 2, 300, 64, gate="key", initial_state=True)
-    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_group_sums="input")
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_group_sums=sums)
     check_gla_parity(case, jax.random.key(11), dtype=dtype, backend="pallas_gpu", interpret=True,
                      block_sizes=sizes)
 
@@ -156,18 +158,21 @@ def test_interpret_parity_value_tiles_of_32(case, sums):
                      interpret=True, block_sizes=sizes)
 
 
-# One stored 16-bit part of h (BlockSizes.mosaic_state_parts=1): the state term's first chunk
-# from the float32 state entering it. T = 1 with an initial state is where a rounded first state
-# failed dg (1.9e-3 against a bound of 1.6e-3 with the part alone); split in time (each segment's
-# first chunk from its float32 start) with segment ids and two key groups in --full.
-@pytest.mark.parametrize("case,splits", [
-    (GLACase(1, 1, 2, 64, 64, gate="key", initial_state=True), None),
-    (GLACase(1, 130, 2, 64, 128, gate="key", initial_state=True), None),
+# The stored 16-bit parts of h (BlockSizes.mosaic_state_parts). One (the default): the state
+# term's first chunk from the float32 state entering it. T = 1 with an initial state is where a
+# rounded first state failed dg (1.9e-3 against a bound of 1.6e-3 with the part alone); split in
+# time (each segment's first chunk from its float32 start) with segment ids and two key groups in
+# --full. Two (hi and lo): T = 130 with an initial state.
+@pytest.mark.parametrize("case,splits,parts", [
+    (GLACase(1, 1, 2, 64, 64, gate="key", initial_state=True), None, 1),
+    (GLACase(1, 130, 2, 64, 128, gate="key", initial_state=True), None, 1),
+    (GLACase(1, 130, 2, 64, 128, gate="key", initial_state=True), None, 2),
     pytest.param(GLACase(1, 300, 1, 200, 64, gate="key", gate_strength=16.0, initial_state=True,
-                         segments=True), 2, marks=pytest.mark.full),
+                         segments=True), 2, 1, marks=pytest.mark.full),
 ], ids=str)
-def test_interpret_parity_one_state_part(case, splits):
-    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_state_parts=1, mosaic_time_splits=splits)
+def test_interpret_parity_state_parts(case, splits, parts):
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_state_parts=parts,
+                       mosaic_time_splits=splits)
     check_gla_parity(case, jax.random.key(13), dtype=jnp.bfloat16, backend="pallas_gpu",
                      interpret=True, block_sizes=sizes)
 
@@ -256,24 +261,27 @@ def test_gpu_parity(case, dtype):
 
 
 
-# The options not yet the default, on the GPU: the key groups' partial sums in the input dtype
-# (K = 256 / V = 512, two groups; K = 512, four, at strong gates), 32-column value tiles
-# (K = V = 128 at T = 4096; K = 256 / V = 512 with the partial sums) and one stored part of h
-# (T = 4096 with an initial state; T = 3; all three options at K = 256).
+# The state-pass options on the GPU, the defaults (16-bit group sums, one stored part of h) and
+# the others: the key groups' partial sums (K = 256 / V = 512, two groups; K = 512, four, at
+# strong gates), 32-column value tiles (K = V = 128 at T = 4096; K = 256 / V = 512) and the
+# stored parts of h (T = 4096 with an initial state; T = 3; all three options at K = 256).
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,sizes", [
     (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
      dict(mosaic_group_sums="input")),
+    (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
+     dict(mosaic_group_sums="float32")),
     (GLACase(1, 1000, 2, 512, 192, gate="key", gate_strength=1e-3),
      dict(mosaic_group_sums="input")),
     (GLACase(1, 4096, 2, 128, 128, gate="key", initial_state=True), dict(mosaic_block_v=32)),
     (GLACase(1, 1024, 2, 256, 512, gate="key"),
-     dict(mosaic_block_v=32, mosaic_group_sums="input")),
+     dict(mosaic_block_v=32, mosaic_group_sums="float32")),
     (GLACase(1, 4096, 2, 128, 128, gate="key", initial_state=True), dict(mosaic_state_parts=1)),
+    (GLACase(1, 4096, 2, 128, 128, gate="key", initial_state=True), dict(mosaic_state_parts=2)),
     (GLACase(2, 3, 2, 128, 128, gate="key", initial_state=True, segments=True),
      dict(mosaic_state_parts=1)),
     (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
-     dict(mosaic_block_v=32, mosaic_group_sums="input", mosaic_state_parts=1)),
+     dict(mosaic_block_v=32, mosaic_group_sums="float32", mosaic_state_parts=2)),
 ], ids=str)
 def test_gpu_parity_options(case, sizes):
     check_gla_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",

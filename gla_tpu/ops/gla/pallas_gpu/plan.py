@@ -31,7 +31,7 @@ MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in regist
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tiles of the GPU GLA kernels (performance only; results do not depend on them, but for
-    the rounding mosaic_group_sums="input" adds).
+    the rounding of the key groups' partial sums, mosaic_group_sums).
 
     Attributes:
       block_v: V tile of the state passes, outputs and dv (64 or 128; None: `value_block`, 128
@@ -53,16 +53,16 @@ class BlockSizes:
         still runs the one-kernel forward (forward_kernel).
       mosaic_group_sums: K above 128 runs the pair-level state passes as groups of 128 keys, one
         after another in a block, each adding its outputs (o, or dv) to the sum of the groups
-        before it, which goes through global memory: "float32", or "input" (the input dtype:
-        half the bytes, one more rounding of a partial sum; docs/gpu_backend.md, "Key groups'
-        partial sums in 16 bits").
+        before it, which goes through global memory: "input" (the input dtype; the default:
+        half the bytes of "float32" for one more rounding of a partial sum), or "float32"
+        (docs/gpu_backend.md, "Key groups' partial sums in 16 bits").
       mosaic_block_v: value columns per block of the pair-level state passes: 64, or 32 (twice
-        the blocks, two to an SM where B H V / 64 blocks leave an SM with one; not the default
-        until timed: docs/gpu_backend.md, "32-column value tiles").
+        the blocks, two to an SM; slower on an H100 at K = 128: docs/gpu_backend.md,
+        "32-column value tiles").
       mosaic_state_parts: 16-bit parts of h per chunk that the differentiated forward stores for
-        the backward's state term: 2 (hi and lo), or 1 (hi, half the bytes written and read
-        back; the first chunk's state then comes in float32; docs/gpu_backend.md, "One stored
-        part of h"; not the default until timed).
+        the backward's state term: 1 (hi alone; the default: the state term's first chunk of
+        each row or time segment takes the float32 state entering it), or 2 (hi and lo, twice
+        the bytes written and read back; docs/gpu_backend.md, "One stored part of h").
     """
 
     block_v: int | None = None
@@ -72,9 +72,9 @@ class BlockSizes:
     forward_kernel: str = "auto"
     mosaic_time_splits: int | None = None
     chunk_kernel: str = "auto"
-    mosaic_group_sums: str = "float32"
+    mosaic_group_sums: str = "input"
     mosaic_block_v: int = 64
-    mosaic_state_parts: int = 2
+    mosaic_state_parts: int = 1
 
     def __post_init__(self):
         splits = self.mosaic_time_splits
