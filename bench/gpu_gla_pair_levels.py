@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import types
 
 import jax
 import jax.numpy as jnp
@@ -23,23 +22,17 @@ from bench.gpu_side_by_side import GATES, Context, fwd_bwd, gla_inputs, ours_gla
 from bench.harness import environment
 from gla_tpu.ops.common.flops import gla_flops
 from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_grads, kernels_mosaic_levels, \
-    kernels_mosaic_state
-from gla_tpu.ops.gla.pallas_gpu.plan import MOSAIC_GROUP_KEYS, BlockSizes
-from gla_tpu.ops.gla.pallas_gpu.vjp import _INFERENCE, _REVERSED, _TRAINING, _configured
+    kernels_mosaic_state, vjp
+from gla_tpu.ops.gla.pallas_gpu.plan import BlockSizes, chunk_geometry
 
 
-def kernel_stages(scale, groups=1, sizes=None):
-    """name -> (function, names of its arguments), in the order the forward and backward run;
-    `groups` groups of keys as virtual heads (plan.ChunkGeometry.key_groups), as ops.gla runs
-    K above 128; `sizes`: BlockSizes fields of the state passes (mosaic_group_sums,
-    mosaic_block_v, mosaic_state_parts) as in ops.gla."""
-    block_sizes = BlockSizes(**(sizes or {}))
+def kernel_stages(geo):
+    """name -> (function, names of its arguments), in the order the forward and backward run,
+    for a call of plan.ChunkGeometry `geo` (its key groups as virtual heads and its state-pass
+    settings, as ops.gla runs them)."""
+    scale, groups = geo.scale, geo.key_groups
     sp = kernels_mosaic_state.state_pass
-    geo = types.SimpleNamespace(  # what vjp._configured reads of a ChunkGeometry
-        key_groups=groups, group_sums_16bit=block_sizes.mosaic_group_sums == "input",
-        state_block_v=block_sizes.mosaic_block_v, state_parts=block_sizes.mosaic_state_parts)
-    inference, training, reversed_ = (_configured(p, geo)
-                                      for p in (_INFERENCE, _TRAINING, _REVERSED))
+    inference, training, reversed_ = vjp.state_passes(geo)
     parts = ("h_hi", "h_lo")[:reversed_.term_parts]
     return {
         "prep": (lambda q, k, g: kernels_mosaic_levels.prep(q, k, g, scale=scale, interpret=False),
@@ -63,14 +56,17 @@ def kernel_operands(shape, gate, seed=0, sizes=None):
     """Every operand the stages take, from one draw (q, k, v, do ~ N(0, 1), g from GATES); K
     above 128 as groups of 128 keys, virtual heads (q, k and g reshaped, as ops.gla does)."""
     b_, t, h, kd, vd = shape
-    groups = max(1, kd // MOSAIC_GROUP_KEYS)
+    geo = chunk_geometry(t, kd, vd, scale=kd ** -0.5, has_segments=False, exact_inter=False,
+                         mosaic_chunk=True, batch=b_, heads=h,
+                         block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", **(sizes or {})))
+    groups = geo.key_groups
     rng = np.random.default_rng(seed)
     q, k, v, g, _ = gla_inputs(rng, b_, t, h, kd, vd, gate=gate)
     q, k, g = (x.reshape(b_, t, h * groups, kd // groups) for x in (q, k, g))
     env = {"q": jnp.asarray(q, jnp.bfloat16), "k": jnp.asarray(k, jnp.bfloat16),
            "v": jnp.asarray(v, jnp.bfloat16), "g": jnp.asarray(g),
            "do": jnp.asarray(rng.standard_normal(v.shape, np.float32), jnp.bfloat16)}
-    stages = kernel_stages(kd ** -0.5, groups, sizes)
+    stages = kernel_stages(geo)
     env["a"], env["qd"], env["kd"], env["last"] = jax.jit(stages["prep"][0])(
         env["q"], env["k"], env["g"])
     _, *h_parts, _ = jax.jit(stages["state_training"][0])(

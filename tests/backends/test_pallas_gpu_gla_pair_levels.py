@@ -112,6 +112,26 @@ def test_options_lower_to_mosaic_kernels():
     assert gla_lowered_kernels(sizes, q, v, g, s0) == ((2, 0), (4, 0))
 
 
+# bench/gpu_gla_pair_levels.py's variants configure the state passes as ops.gla does (its GPU
+# timings are of the same programs): the defaults, then the other settings.
+def test_pair_level_bench_configures_the_state_passes_as_ops_gla():
+    from bench.gpu_gla_pair_levels import kernel_stages, parse_sizes
+    from gla_tpu.ops.gla.pallas_gpu import plan, vjp
+
+    variants = parse_sizes("default;mosaic_group_sums=float32,mosaic_state_parts=2")
+    assert variants == [{}, dict(mosaic_group_sums="float32", mosaic_state_parts=2)]
+    for sizes, (sums_16bit, stored, term_parts) in zip(variants, [(True, 1, 1), (False, 2, 2)]):
+        geo = plan.chunk_geometry(2048, 256, 512, scale=1 / 16, has_segments=False,
+                                  exact_inter=False, mosaic_chunk=True, batch=8, heads=4,
+                                  block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", **sizes))
+        inference, training, reversed_ = vjp.state_passes(geo)
+        assert (training.groups, training.sums_16bit, training.store_parts) == (
+            2, sums_16bit, stored)
+        assert reversed_.term_parts == term_parts and inference.store_parts == 0
+        names = kernel_stages(geo)["state_reversed"][1]
+        assert names[-term_parts:] == ("h_hi", "h_lo")[:term_parts]
+
+
 @pytest.mark.parametrize("mode,dtype,match", [
     ("fused_recurrent", jnp.bfloat16, "fused_recurrent"),
     ("chunk", jnp.float32, "float32")])

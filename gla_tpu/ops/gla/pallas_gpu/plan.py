@@ -129,12 +129,13 @@ class ChunkGeometry:
     # on key_groups groups of at most MOSAIC_GROUP_KEYS keys each
     mosaic_chunk: bool = False
     key_groups: int = 1
-    # the key groups' partial output sums in the input dtype (BlockSizes.mosaic_group_sums)
-    group_sums_16bit: bool = False
+    # the key groups' partial output sums in the input dtype (BlockSizes.mosaic_group_sums);
+    # these three default as BlockSizes does
+    group_sums_16bit: bool = True
     # value columns per block of the pair-level state passes (BlockSizes.mosaic_block_v)
     state_block_v: int = 64
     # 16-bit parts of h stored for the backward (BlockSizes.mosaic_state_parts)
-    state_parts: int = 2
+    state_parts: int = 1
 
 
 def compiler_params(geo: ChunkGeometry):

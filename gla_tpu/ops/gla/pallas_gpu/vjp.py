@@ -161,6 +161,12 @@ def _configured(p, geo):
         term_parts=1 if one_part else p.term_parts)
 
 
+def state_passes(geo):
+    """(inference, training, reversed): the three state passes as a call of geometry `geo` runs
+    them (for benchmarks that time each kernel alone)."""
+    return tuple(_configured(p, geo) for p in (_INFERENCE, _TRAINING, _REVERSED))
+
+
 def _mosaic_forward(q, k, v, g, s0, geo, interpret, p):
     # last: b at each chunk's last token, [B, N, H, K] float32
     a, qd, kd, last = kernels_mosaic_levels.prep(q, k, g, scale=geo.scale, interpret=interpret)
