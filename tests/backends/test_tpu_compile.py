@@ -174,6 +174,22 @@ def test_block_sizes_fields_left_none_take_the_defaults(generation, d, causal, s
             cfg.block_kv_dkv) == expected
 
 
+# block_kv_compute set alone must divide the chip's default block_kv; the error says that the
+# block_kv it names is the default, not one the caller set.
+def test_block_kv_compute_alone_names_the_default_block_kv():
+    from gla_tpu.ops.attention.mosaic_tpu import BlockSizes
+    from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
+    from gla_tpu.ops.attention.validation import validate_attention
+    from gla_tpu.testing.tpu_compile import targeting
+
+    x = jax.ShapeDtypeStruct((1, 4096, 8, 128), BF16)
+    problem, _, _ = validate_attention(x, x, x, causal=True, sm_scale=None, segment_ids=None)
+    with targeting("v6e"), pytest.raises(ValueError, match=(
+            r"block_kv_compute=384 must divide block_kv, which is left to this chip's default "
+            r"1024")):
+        kernel_config(problem, BlockSizes(block_kv_compute=384), False)
+
+
 def _gla_args(gate, b, t, h, kd, vd):
     gshape = (b, t, h, kd) if gate == "key" else (b, t, h)
     return (jax.ShapeDtypeStruct((b, t, h, kd), BF16), jax.ShapeDtypeStruct((b, t, h, kd), BF16),
