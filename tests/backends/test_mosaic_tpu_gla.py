@@ -42,6 +42,39 @@ def test_chunked_block_v_split_matches_whole():
                            whole, split)
 
 
+@pytest.mark.parametrize("mode", ["chunk", "fused_chunk"])
+def test_profiler_safe_kernels_give_the_same_values(mode):
+    """BlockSizes.profiler_safe (0/1 products for the masks, the bfloat16 rounding by integer ops)
+    computes what the default kernels compute: outputs and every gradient bit for bit, bfloat16,
+    per-key gates with segments and an initial state."""
+    case = GLACase(1, 70, 2, 64, 128, gate="key", initial_state=True, segments=True)
+    inputs = make_gla_inputs(case, jax.random.key(8), jnp.bfloat16)
+    seg = inputs.pop("segment_ids")
+
+    def run(safe, q, k, v, g, initial_state):
+        return _run(q, k, v, g, initial_state=initial_state, output_final_state=True,
+                    segment_ids=seg, mode=mode, block_sizes=BlockSizes(profiler_safe=safe))
+
+    key = jax.random.key(9)
+    default = outputs_and_grads(functools.partial(run, False), inputs, key)
+    safe = outputs_and_grads(functools.partial(run, True), inputs, key)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(
+        np.asarray(a, np.float32), np.asarray(b, np.float32)), default, safe)
+
+
+def test_rounding_to_bfloat16_by_bits_matches_the_cast():
+    """kernels_chunk_tile.rounded_to_bfloat16 is the float32 -> bfloat16 -> float32 round trip,
+    ties to even included, over random magnitudes and the halfway points."""
+    from gla_tpu.ops.gla.mosaic_tpu.kernels_chunk_tile import rounded_to_bfloat16
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(4096) * np.exp2(rng.integers(-60, 60, 4096))).astype(np.float32)
+    halfway = (np.arange(1, 513, dtype=np.uint32) << 16 | np.uint32(0x8000)).view(np.float32)
+    x = jnp.asarray(np.concatenate([x, halfway, -halfway, [0.0, -0.0]]).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(rounded_to_bfloat16(x)),
+                                  np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
 def test_recurrent_v_blocks_pass_the_rule():
     """fused_recurrent with V split over two blocks of 128 and 8-token time blocks: dq, dk and dg
     come out as partial sums over V blocks."""
@@ -68,7 +101,8 @@ def test_decode_kernel_matches_time_blocked_path():
      (dict(block_t_recurrent=12), "block_t_recurrent"),
      (dict(block_t_recurrent=-8), "block_t_recurrent"),
      (dict(block_v_recurrent=0), "block_v_recurrent"),
-     (dict(block_h_decode=2.0), "block_h_decode")],
+     (dict(block_h_decode=2.0), "block_h_decode"),
+     (dict(profiler_safe=1), "profiler_safe")],
 )
 def test_invalid_block_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):

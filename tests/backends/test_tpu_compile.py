@@ -271,6 +271,27 @@ def test_gla_compiles(mode, name, generation):
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
+# BlockSizes(profiler_safe=True), the per-key kernels libtpu's static profiler takes on v5e and
+# v5p (docs/benchmarks.md): forward+backward at the shape it was profiled at, chunk on v5e by
+# default, the rest in --full.
+@pytest.mark.parametrize("mode,generation", [
+    ("chunk", "v5e"),
+    pytest.param("fused_chunk", "v5e", marks=pytest.mark.full),
+    pytest.param("chunk", "v5p", marks=pytest.mark.full),
+    pytest.param("fused_chunk", "v5p", marks=pytest.mark.full),
+])
+def test_gla_profiler_safe_compiles(mode, generation):
+    from gla_tpu.ops.gla.mosaic_tpu import BlockSizes
+
+    def fn(q, k, v, g, s0):
+        return ops.gla(q, k, v, g, initial_state=s0, output_final_state=True, mode=mode,
+                       backend="mosaic_tpu", block_sizes=BlockSizes(profiler_safe=True))
+
+    args = _gla_args("key", 1, 4096, 8, 128, 128)
+    assert compile_for_tpu(_grad_of_sum(fn, (0, 1, 2, 3, 4)), *args,
+                           generation=generation) is not None
+
+
 def test_gla_chunk_128_above_k_256_is_refused_on_v4():
     """v4's 16 MiB of VMEM does not hold the chunk-128 blocks at K = V = 512: a clear refusal,
     not the compiler's out-of-memory error."""

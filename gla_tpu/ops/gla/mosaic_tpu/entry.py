@@ -115,6 +115,7 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
         has_segments=rel is not None, has_initial_state=initial_state is not None,
         scale=float(problem.scale), dtype=jnp.dtype(q.dtype),
         chunks_per_step=chunks_per_grid_step(tp // c, c, kd, vd),
+        profiler_safe=block_sizes.profiler_safe,
     )
     with jax.named_scope(f"gla_mosaic_tpu_{problem.mode}"):
         o, final = vjp.chunked(cfg, problem.mode, interpret, q_p, k_p, v_p, gates,

@@ -239,19 +239,21 @@ def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
         st = carry[...]
         if "states" in r:
             r["states"][...] = st
-        r["o"][...] = tile.output(q, k, v, gate, seg, st, cfg.scale, dt).astype(r["o"].dtype)
+        o = tile.output(q, k, v, gate, seg, st, cfg.scale, dt, cfg.profiler_safe)
+        r["o"][...] = o.astype(r["o"].dtype)
         nxt = tile.next_state(k, v, gate, seg, st, dt)
     elif role == "states":
         st = carry[...]
         r["states"][...] = st
         nxt = tile.next_state(k, v, gate, seg, st, dt)
     elif role == "outputs":
-        o = tile.output(q, k, v, gate, seg, r["states"][...], cfg.scale, dt)
+        o = tile.output(q, k, v, gate, seg, r["states"][...], cfg.scale, dt, cfg.profiler_safe)
         r["o"][...] = o.astype(r["o"].dtype)
         return
     elif role == "bwd_reverse":
         dst = carry[...]  # cotangent of the state leaving this chunk
-        dq, dk, dv, edge, db = tile.backward(q, k, v, gate, seg, do, r["states"][...], dst, dt)
+        dq, dk, dv, edge, db = tile.backward(q, k, v, gate, seg, do, r["states"][...], dst, dt,
+                                             cfg.profiler_safe)
         if cfg.gate_kind == "key":
             r["dg"][...] = tile.gate_grad_per_key(db)
         elif cfg.gate_kind == "head":

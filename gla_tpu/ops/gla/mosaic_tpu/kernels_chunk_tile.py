@@ -29,6 +29,23 @@ def _dot(a, b, layout, dt):
     return product(a.astype(dt), b.astype(dt), layout)
 
 
+def _zero_outside(x, mask, profiler_safe: bool):
+    """x [C, C] float32 (finite) with the entries outside `mask` zeroed. For a matrix about to be
+    rounded for the MXU, libtpu folds the select into a masked MXU push, which costs nothing but
+    which its static profiler rejects for bfloat16 on v5e and v5p (an LLO type check);
+    `profiler_safe` zeroes by a 0/1 product instead (the same values; BlockSizes.profiler_safe)."""
+    return x * mask.astype(jnp.float32) if profiler_safe else jnp.where(mask, x, 0.0)
+
+
+def rounded_to_bfloat16(x):
+    """x float32 rounded to the nearest bfloat16 (ties to even), kept in float32: the value of
+    x.astype(bfloat16).astype(float32) (finite x), by integer ops on the bits, a round trip
+    libtpu's static profiler rejects on v5e and v5p (the unpack of a packed bfloat16 vreg)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    half_ulp = jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+    return jax.lax.bitcast_convert_type((bits + half_ulp) & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
 def _iota(shape, axis):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
@@ -166,7 +183,7 @@ def head_decay(gate: Gate, c: int):
 
 
 def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_dq=False,
-          want_dk=False):
+          want_dk=False, profiler_safe=False):
     """Intra-chunk scores A[i, j] = sum_k q_ik k_jk exp(b_ik - b_jk) (masked) and their pullback.
 
     Args:
@@ -194,10 +211,11 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
             if want_dk:
                 dk = _dot(ds, q, "tn", dt) + d_diag * q.astype(jnp.float32)
         return scores, dq, dk, None
-    return _intra_per_key(q, k, gate.b, mask, dt, d_scores, want_scores, want_dq or want_dk)
+    return _intra_per_key(q, k, gate.b, mask, dt, d_scores, want_scores, want_dq or want_dk,
+                          profiler_safe)
 
 
-def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads):
+def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads, profiler_safe):
     """Pair levels (docs/gla_mosaic_tpu.md, "Per-key gates: pair levels"). A pair i > j of the
     chunk belongs to level h, the highest bit in which i and j differ: both lie in one aligned
     block of 2h rows, i in its upper half and j in its lower half, so the pair factors through
@@ -209,7 +227,8 @@ def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads):
     db: a pair's shares of q*dq and k*dk cancel in dg for the tokens before both. Taken from dq
     and dk they would not (each side rounds its own operand), so the pairs' db is built from the
     rounded X on both sides, X (dA X - dA^T X), in which every pair appears twice with one value;
-    the pairs i = j add nothing to db. (dq, dk, db) are None unless `want_grads`."""
+    the pairs i = j add nothing to db. (dq, dk, db) are None unless `want_grads`. profiler_safe:
+    masks and the rounded X as `_zero_outside` and `rounded_to_bfloat16` say."""
     c = q.shape[0]
     f32 = jnp.float32
     qf, kf = q.astype(f32), k.astype(f32)
@@ -229,22 +248,25 @@ def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads):
         upper = (rows & h) != 0  # [C, 1]: the queries of level h; the other rows are its keys
         ref = jnp.where(upper, group_start, pltpu.roll(group_start, c - h, 0))
         scale = jnp.exp(jnp.where(upper, b - ref, ref - b))  # [C, K], exponents <= 0
-        x = (jnp.where(upper, qf, kf) * scale).astype(dt)
+        xf = jnp.where(upper, qf, kf) * scale
+        x = xf.astype(dt)
         band = (level_of >= h) & (level_of < 2 * h)
         if want_scores:
             scores = scores + jnp.where(band, product(x, x, "nt"), 0.0)
         if want_grads:
-            ds_lvl = jnp.where(band, d_scores, 0.0).astype(dt)  # (upper i, lower j) only
+            # (upper i, lower j) only
+            ds_lvl = _zero_outside(d_scores, band, profiler_safe).astype(dt)
             dq_lvl = product(ds_lvl, x, "nn")  # [C, K], zero off the upper rows
             dk_lvl = product(ds_lvl, x, "tn")  # [C, K], zero off the lower rows
             dq = dq + dq_lvl * scale
             dk = dk + dk_lvl * scale
-            db = db + x.astype(f32) * (dq_lvl - dk_lvl)
+            by_bits = profiler_safe and jnp.dtype(dt) == jnp.dtype(jnp.bfloat16)
+            db = db + (rounded_to_bfloat16(xf) if by_bits else x.astype(f32)) * (dq_lvl - dk_lvl)
         # Row t takes row t - h where bit h of t is set: b at the start of its 2h-group.
         group_start = jnp.where(upper, pltpu.roll(group_start, h, 0), group_start)
         h *= 2
     if want_scores:
-        scores = jnp.where(mask, scores, 0.0)
+        scores = _zero_outside(scores, mask, profiler_safe)
     return scores, dq, dk, db
 
 
@@ -266,10 +288,11 @@ def carry_state(st, gate: Gate, seg: Segments | None):
     return st if seg is None else jnp.where(seg.keep, st, 0.0)
 
 
-def output(q, k, v, gate, seg, st, scale, dt):
+def output(q, k, v, gate, seg, st, scale, dt, profiler_safe=False):
     """One chunk's output from its tokens and entering state ST [bv, K]: [C, bv] float32."""
     c = q.shape[0]
-    scores = intra(q, k, gate, pair_mask(c, seg), dt, want_scores=True)[0]
+    scores = intra(q, k, gate, pair_mask(c, seg), dt, want_scores=True,
+                   profiler_safe=profiler_safe)[0]
     o = _dot(scores, v, "nn", dt) + _dot(carried_queries(q, gate, seg), st, "nt", dt)
     return o * scale
 
@@ -284,7 +307,7 @@ def prev_state_grad(q, gate, seg, dst, do_scaled, dt):
     return carry_state(dst, gate, seg) + _dot(do_scaled, carried_queries(q, gate, seg), "tn", dt)
 
 
-def backward(q, k, v, gate, seg, do_scaled, st, dst, dt):
+def backward(q, k, v, gate, seg, do_scaled, st, dst, dt, profiler_safe=False):
     """One chunk's gradients from its tokens, the entering state ST [bv, K] and the cotangent
     dST [bv, K] of the leaving state; do_scaled = scale * dO, [C, bv] float32.
 
@@ -299,7 +322,7 @@ def backward(q, k, v, gate, seg, do_scaled, st, dst, dt):
     mask = pair_mask(c, seg)
     d_scores = jnp.where(mask, _dot(do_scaled, v, "nt", dt), 0.0)  # [C, C]
     scores, dq, dk, db = intra(q, k, gate, mask, dt, d_scores=d_scores, want_scores=True,
-                               want_dq=True, want_dk=True)
+                               want_dq=True, want_dk=True, profiler_safe=profiler_safe)
     dq_inter = _mul(_dot(do_scaled, st, "nn", dt), gate.to_start())
     dq_inter = _mask_rows(dq_inter, None if seg is None else seg.reaches)
     dq = dq + dq_inter

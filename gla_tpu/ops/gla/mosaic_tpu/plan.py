@@ -57,6 +57,12 @@ class BlockSizes:
         dividing the padded V, or V).
       block_h_decode: heads per grid step of the T = 1 decode kernel (a multiple of 8 dividing H,
         or H); 0 disables the decode kernel.
+      profiler_safe: chunked modes, per-key gates: zero the intra-chunk masks by 0/1 products
+        and round the pair levels' operand for db by integer ops, instead of selects that
+        libtpu folds into masked MXU pushes and a bfloat16 round trip. The same values; libtpu's
+        static profiler (bench/tpu_static.py) takes these kernels on v5e and v5p only so, and
+        they cost about 0.5% more cycles by its estimate on v6e (docs/benchmarks.md). Off by
+        default.
 
     Example:
       >>> BlockSizes(block_v=128, block_t_recurrent=32)  # doctest: +ELLIPSIS
@@ -67,8 +73,12 @@ class BlockSizes:
     block_t_recurrent: int | None = None
     block_v_recurrent: int | None = None
     block_h_decode: int | None = None
+    profiler_safe: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.profiler_safe, bool):
+            raise ValueError(
+                f"BlockSizes.profiler_safe must be True or False; got {self.profiler_safe!r}.")
         for name in ("block_v", "block_t_recurrent", "block_v_recurrent", "block_h_decode"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -115,6 +125,7 @@ class ChunkConfig:
     scale: float
     dtype: jnp.dtype
     chunks_per_step: int = 1  # G: chunks one grid step walks (`chunks_per_grid_step`)
+    profiler_safe: bool = False  # BlockSizes.profiler_safe
 
     @property
     def num_chunks(self) -> int:
