@@ -555,7 +555,7 @@ def _last_error(stderr: str) -> str:
     return (lines or ["failed"])[-1][:400]
 
 
-# Where the profiler takes our per-key chunked GLA forward+backward only with
+# Where the profiler takes our chunked GLA forward+backward (gated) only with
 # BlockSizes(profiler_safe=True): the same values, about 0.5% more cycles on v6e
 # (docs/benchmarks.md, "GLA forward+backward on v5e and v5p").
 PROFILER_SAFE_GENERATIONS = ("v5e", "v5p")
@@ -563,8 +563,8 @@ PROFILER_SAFE_GENERATIONS = ("v5e", "v5p")
 
 def _gla_options(generation: str, gate: str, mode: str, passes: str) -> tuple:
     """The options of our GLA's record: profiler_safe where the default kernels abort it."""
-    if (generation in PROFILER_SAFE_GENERATIONS and gate == "key" and passes == "fwd_bwd"
-            and mode in ("chunk", "fused_chunk")):
+    if (generation in PROFILER_SAFE_GENERATIONS and gate in ("key", "head")
+            and passes == "fwd_bwd" and mode in ("chunk", "fused_chunk")):
         return (("profiler_safe", True),)
     return ()
 

@@ -42,12 +42,13 @@ def test_chunked_block_v_split_matches_whole():
                            whole, split)
 
 
-@pytest.mark.parametrize("mode", ["chunk", "fused_chunk"])
-def test_profiler_safe_kernels_give_the_same_values(mode):
+@pytest.mark.parametrize("mode,gate", [("chunk", "key"), ("fused_chunk", "key"),
+                                       ("chunk", "head")])
+def test_profiler_safe_kernels_give_the_same_values(mode, gate):
     """BlockSizes.profiler_safe (0/1 products for the masks, the bfloat16 rounding by integer ops)
     computes what the default kernels compute: outputs and every gradient bit for bit, bfloat16,
-    per-key gates with segments and an initial state."""
-    case = GLACase(1, 70, 2, 64, 128, gate="key", initial_state=True, segments=True)
+    per-key and per-head gates with segments and an initial state."""
+    case = GLACase(1, 70, 2, 64, 128, gate=gate, initial_state=True, segments=True)
     inputs = make_gla_inputs(case, jax.random.key(8), jnp.bfloat16)
     seg = inputs.pop("segment_ids")
 

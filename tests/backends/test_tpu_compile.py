@@ -271,23 +271,24 @@ def test_gla_compiles(mode, name, generation):
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
-# BlockSizes(profiler_safe=True), the per-key kernels libtpu's static profiler takes on v5e and
-# v5p (docs/benchmarks.md): forward+backward at the shape it was profiled at, chunk on v5e by
+# BlockSizes(profiler_safe=True), the kernels libtpu's static profiler takes on v5e and v5p
+# (docs/benchmarks.md): forward+backward at the shape it was profiled at, per-key chunk on v5e by
 # default, the rest in --full.
-@pytest.mark.parametrize("mode,generation", [
-    ("chunk", "v5e"),
-    pytest.param("fused_chunk", "v5e", marks=pytest.mark.full),
-    pytest.param("chunk", "v5p", marks=pytest.mark.full),
-    pytest.param("fused_chunk", "v5p", marks=pytest.mark.full),
+@pytest.mark.parametrize("mode,generation,gate", [
+    ("chunk", "v5e", "key"),
+    pytest.param("fused_chunk", "v5e", "key", marks=pytest.mark.full),
+    pytest.param("chunk", "v5p", "key", marks=pytest.mark.full),
+    pytest.param("fused_chunk", "v5p", "key", marks=pytest.mark.full),
+    pytest.param("chunk", "v5e", "head", marks=pytest.mark.full),
 ])
-def test_gla_profiler_safe_compiles(mode, generation):
+def test_gla_profiler_safe_compiles(mode, generation, gate):
     from gla_tpu.ops.gla.mosaic_tpu import BlockSizes
 
     def fn(q, k, v, g, s0):
         return ops.gla(q, k, v, g, initial_state=s0, output_final_state=True, mode=mode,
                        backend="mosaic_tpu", block_sizes=BlockSizes(profiler_safe=True))
 
-    args = _gla_args("key", 1, 4096, 8, 128, 128)
+    args = _gla_args(gate, 1, 4096, 8, 128, 128)
     assert compile_for_tpu(_grad_of_sum(fn, (0, 1, 2, 3, 4)), *args,
                            generation=generation) is not None
 

@@ -144,12 +144,12 @@ class BlockSizes:
         divide a block_kv set here gives way to one step."""
         filled = {name: getattr(defaults, name) for name in _BLOCK_FIELDS
                   if getattr(self, name) is None}
-        step = self.block_kv_compute
-        if step is not None and "block_kv" in filled and filled["block_kv"] % step:
+        given = self.block_kv_compute
+        if given is not None and "block_kv" in filled and filled["block_kv"] % given:
             raise ValueError(
-                f"BlockSizes.block_kv_compute={step} must divide block_kv, which is left to "
+                f"BlockSizes.block_kv_compute={given} must divide block_kv, which is left to "
                 f"this chip's default {filled['block_kv']} here; set block_kv as well (a "
-                f"multiple of {step}).")
+                f"multiple of {given}).")
         if self.block_kv_compute is None:
             block_kv = filled.get("block_kv", self.block_kv)
             step = defaults.block_kv_compute

@@ -189,6 +189,8 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
     Args:
       q, k: [C, K]; gate: the chunk's gate sums; mask: [C, C] bool from `pair_mask`.
       d_scores: [C, C] float32 cotangent of A (already masked), needed for dq / dk.
+      profiler_safe: masks (and the pair levels' rounded X) as `_zero_outside` and
+        `rounded_to_bfloat16` say (BlockSizes.profiler_safe); the same values.
     Returns:
       (A [C, C] | None, dq [C, K] | None, dk [C, K] | None, db [C, K] | None), float32; db (per-key
       gates, with dq and dk) is these pairs' share of q*dq - k*dk, summed so that it cancels
@@ -199,12 +201,12 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
         decay = None if gate.kind == "none" else head_decay(gate, c)
         scores = dq = dk = None
         if want_scores:
-            scores = jnp.where(mask, _mul(_dot(q, k, "nt", dt), decay), 0.0)
+            scores = _zero_outside(_mul(_dot(q, k, "nt", dt), decay), mask, profiler_safe)
         if want_dq or want_dk:
             # The diagonal (i = j, decay 1) stays in float32: its shares of q*dq and k*dk cancel
             # exactly in db (docs/gla_mosaic_tpu.md), which a rounded matmul operand would spoil.
             eye = _iota((c, c), 0) == _iota((c, c), 1)
-            ds = jnp.where(eye, 0.0, _mul(d_scores, decay))
+            ds = _zero_outside(_mul(d_scores, decay), ~eye, profiler_safe)
             d_diag = jnp.sum(jnp.where(eye, d_scores, 0.0), axis=1, keepdims=True)  # [C, 1]
             if want_dq:
                 dq = _dot(ds, k, "nn", dt) + d_diag * k.astype(jnp.float32)
