@@ -206,7 +206,9 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
             # The diagonal (i = j, decay 1) stays in float32: its shares of q*dq and k*dk cancel
             # exactly in db (docs/gla_mosaic_tpu.md), which a rounded matmul operand would spoil.
             eye = _iota((c, c), 0) == _iota((c, c), 1)
-            ds = _zero_outside(_mul(d_scores, decay), ~eye, profiler_safe)
+            ds = _mul(d_scores, decay)
+            # as a select, zero *on* the diagonal: `_zero_outside(ds, ~eye)` costs the not
+            ds = _zero_outside(ds, ~eye, True) if profiler_safe else jnp.where(eye, 0.0, ds)
             d_diag = jnp.sum(jnp.where(eye, d_scores, 0.0), axis=1, keepdims=True)  # [C, 1]
             if want_dq:
                 dq = _dot(ds, k, "nn", dt) + d_diag * k.astype(jnp.float32)
