@@ -37,6 +37,12 @@ def _zero_outside(x, mask, profiler_safe: bool):
     return x * mask.astype(jnp.float32) if profiler_safe else jnp.where(mask, x, 0.0)
 
 
+def _zero_on(x, mask, profiler_safe: bool):
+    """x with the entries on `mask` zeroed, as `_zero_outside` (a select whose operands take the
+    mask as it is: `_zero_outside(x, ~mask)` would cost the negation)."""
+    return x * (~mask).astype(jnp.float32) if profiler_safe else jnp.where(mask, 0.0, x)
+
+
 def rounded_to_bfloat16(x):
     """x float32 rounded to the nearest bfloat16 (ties to even), kept in float32: the value of
     x.astype(bfloat16).astype(float32) (finite x), by integer ops on the bits, a round trip
@@ -206,9 +212,7 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
             # The diagonal (i = j, decay 1) stays in float32: its shares of q*dq and k*dk cancel
             # exactly in db (docs/gla_mosaic_tpu.md), which a rounded matmul operand would spoil.
             eye = _iota((c, c), 0) == _iota((c, c), 1)
-            ds = _mul(d_scores, decay)
-            # as a select, zero *on* the diagonal: `_zero_outside(ds, ~eye)` costs the not
-            ds = _zero_outside(ds, ~eye, True) if profiler_safe else jnp.where(eye, 0.0, ds)
+            ds = _zero_on(_mul(d_scores, decay), eye, profiler_safe)
             d_diag = jnp.sum(jnp.where(eye, d_scores, 0.0), axis=1, keepdims=True)  # [C, 1]
             if want_dq:
                 dq = _dot(ds, k, "nn", dt) + d_diag * k.astype(jnp.float32)
