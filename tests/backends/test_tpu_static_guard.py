@@ -20,10 +20,11 @@ RECORDED = json.loads(
 GROWTH_ALLOWED = 1.10
 
 
-# Default run: GLA on v6e; --full adds the attention programs.
+# Default run: one attention and one GLA program on one generation, v6e (issue 13 asks for both
+# in .ci/run; about 10 s of profiling each); --full adds the v5e attention program.
 @pytest.mark.parametrize("recorded", [
     pytest.param(r, id=f"{r['op']}-{r['generation']}",
-                 marks=() if (r["op"], r["generation"]) == ("gla", "v6e") else pytest.mark.full)
+                 marks=() if r["generation"] == "v6e" else pytest.mark.full)
     for r in RECORDED["records"]])
 def test_static_cycle_estimate_does_not_grow(recorded):
     from bench.tpu_static import Spec, profile
