@@ -107,7 +107,7 @@ def test_mosaic_time_splits_fill_one_wave(monkeypatch, blocks, chunks, expected)
 
 # The scan that joins the segments of a time split (time_split.segment_starts), forward and
 # reversed, per-key and per-head decays, against the recurrence in float64; written out segment by
-# segment, it lowers to no loop (XLA's GPU loop launched each step on its own: 134 µs at P = 4).
+# segment, it lowers to no loop (a `lax.scan` there cost the forward 46 µs of 482 on an H200).
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
 @pytest.mark.parametrize("decay_keys", [3, 1], ids=["per_key", "per_head"])
 def test_segment_starts_follow_the_recurrence(reverse, decay_keys):
