@@ -193,7 +193,7 @@ def main(argv=None):
     parser.add_argument("--sizes", default="default",
                         help="';'-separated variants of BlockSizes fields, each 'default' or "
                              "'field=value,...' (mosaic_group_sums, mosaic_block_v, "
-                             "mosaic_state_parts)")
+                             "mosaic_state_parts, mosaic_output_parts)")
     parser.add_argument("--once", action="store_true", help="run each kernel once (profilers)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="gla_pair_levels")

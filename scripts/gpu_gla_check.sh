@@ -11,6 +11,7 @@
 #   bash scripts/gpu_gla_check.sh side_jla   # the three shapes jla runs, fla's forward beside
 #   bash scripts/gpu_gla_check.sh side       # both, 290 s each (with fla's autotuning cached)
 #   bash scripts/gpu_gla_check.sh options    # the other mosaic_group_sums / _block_v / _state_parts
+#                                            # / _output_parts
 #                                            # (options_k256, options_k128: its two halves)
 #
 # One part per call: a command may run 10 minutes. Without a cache fla's autotuning alone took
@@ -53,8 +54,8 @@ fi
 # OPTION_PARTS, SIZES_K256, SIZES_K128 override what runs (bench/gpu_gla_pair_levels.py's
 # --parts and --sizes)
 option_parts="${OPTION_PARTS:-check,total}"
-sizes_k256="${SIZES_K256:-default;mosaic_group_sums=float32;mosaic_state_parts=2;mosaic_group_sums=float32,mosaic_state_parts=2;default}"
-sizes_k128="${SIZES_K128:-default;mosaic_block_v=32;mosaic_state_parts=2}"
+sizes_k256="${SIZES_K256:-default;mosaic_group_sums=float32;mosaic_state_parts=2;mosaic_output_parts=2;default}"
+sizes_k128="${SIZES_K128:-default;mosaic_block_v=32;mosaic_state_parts=2;mosaic_output_parts=2}"
 if [[ ",$parts," == *",options,"* || ",$parts," == *",options_k256,"* ]]; then
   step options_k256 330 python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
     --gates fla --parts "$option_parts" --out "$work" --tag options_k256 --sizes "$sizes_k256"

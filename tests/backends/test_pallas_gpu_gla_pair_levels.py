@@ -101,14 +101,16 @@ def test_lowers_to_mosaic_kernels_and_no_triton(splits, expected):
 
 # The options that are not the default lower for Hopper (wgmma's operand swizzles, TMA tiles):
 # 32-column value tiles with 64-byte swizzles, the key groups' partial sums in float32, two stored
-# parts of h (the defaults, sums in 16 bits and one part, lower in the test above).
+# parts of h, outputs from both parts of the state (the defaults, sums in 16 bits, one stored
+# part and one in the outputs, lower in the test above).
 def test_options_lower_to_mosaic_kernels():
     q = jax.ShapeDtypeStruct((1, 500, 2, 256), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((1, 500, 2, 512), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((1, 500, 2, 256), jnp.float32)
     s0 = jax.ShapeDtypeStruct((1, 2, 256, 512), jnp.float32)
     sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=1, mosaic_block_v=32,
-                       mosaic_group_sums="float32", mosaic_state_parts=2)
+                       mosaic_group_sums="float32", mosaic_state_parts=2,
+                       mosaic_output_parts=2)
     assert gla_lowered_kernels(sizes, q, v, g, s0) == ((2, 0), (4, 0))
 
 
@@ -128,6 +130,7 @@ def test_pair_level_bench_configures_the_state_passes_as_ops_gla():
         assert (training.groups, training.sums_16bit, training.store_parts) == (
             2, sums_16bit, stored)
         assert reversed_.term_parts == term_parts and inference.store_parts == 0
+        assert inference.out_parts == training.out_parts == reversed_.out_parts == 1
         names = kernel_stages(geo)["state_reversed"][1]
         assert names[-term_parts:] == ("h_hi", "h_lo")[:term_parts]
 
@@ -194,6 +197,20 @@ def test_interpret_parity_state_parts(case, splits, parts):
     sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_state_parts=parts,
                        mosaic_time_splits=splits)
     check_gla_parity(case, jax.random.key(13), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     interpret=True, block_sizes=sizes)
+
+
+# The state passes' outputs from both 16-bit parts of the state (BlockSizes.mosaic_output_parts=2;
+# the default, the high part alone, runs in every other test): o forward and dv reversed, with an
+# initial state; in --full K = 300 (three groups of keys summing their outputs) at strong gates.
+@pytest.mark.parametrize("case", [
+    GLACase(1, 130, 2, 64, 128, gate="key", initial_state=True),
+    pytest.param(GLACase(1, 70, 2, 300, 64, gate="key", gate_strength=1e-3, initial_state=True),
+                 marks=pytest.mark.full),
+], ids=str)
+def test_interpret_parity_output_parts(case):
+    sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_output_parts=2)
+    check_gla_parity(case, jax.random.key(15), dtype=jnp.bfloat16, backend="pallas_gpu",
                      interpret=True, block_sizes=sizes)
 
 
@@ -284,7 +301,8 @@ def test_gpu_parity(case, dtype):
 # The state-pass options on the GPU, the defaults (16-bit group sums, one stored part of h) and
 # the others: the key groups' partial sums (K = 256 / V = 512, two groups; K = 512, four, at
 # strong gates), 32-column value tiles (K = V = 128 at T = 4096; K = 256 / V = 512) and the
-# stored parts of h (T = 4096 with an initial state; T = 3; all three options at K = 256).
+# stored parts of h (T = 4096 with an initial state; T = 3; all three options at K = 256); the
+# outputs from both parts of the state (T = 4096; K = 256 at strong gates).
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,sizes", [
     (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
@@ -302,6 +320,9 @@ def test_gpu_parity(case, dtype):
      dict(mosaic_state_parts=1)),
     (GLACase(1, 1024, 2, 256, 512, gate="key", initial_state=True),
      dict(mosaic_block_v=32, mosaic_group_sums="float32", mosaic_state_parts=2)),
+    (GLACase(1, 4096, 2, 128, 128, gate="key", initial_state=True), dict(mosaic_output_parts=2)),
+    (GLACase(1, 1024, 2, 256, 512, gate="key", gate_strength=1e-3),
+     dict(mosaic_output_parts=2)),
 ], ids=str)
 def test_gpu_parity_options(case, sizes):
     check_gla_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",

@@ -16,7 +16,7 @@ state after chunk n (stored as one 16-bit part); it also sums the state term of 
 sum_V h_n dh_{n+1} [K], from the forward's two parts (or from hi alone and, at each row's first
 chunk, the float32 state entering it: Pass.term_parts). The loop ends on the final state (forward)
 or d initial_state (reversed), float32. w S takes S in its two 16-bit parts, so the inter-chunk
-product keeps float32 accuracy.
+product keeps float32 accuracy (or in hi alone: Pass.out_parts).
 
 K above 128 runs as G groups of 128 keys (virtual heads; the state is separable by key, out is
 the sum of the groups' outs). One block walks its head's groups one after another, each over all
@@ -75,6 +75,8 @@ class Pass:
     # 16-bit parts of the forward's states the state term reads (state_term): 2 (hi and lo), or
     # 1 (hi; the first chunk's state then comes exact from state_pass's h_first)
     term_parts: int = 2
+    # 16-bit parts of S that w S takes (outputs): 2 (hi and lo, float32-accurate), or 1 (hi)
+    out_parts: int = 2
 
 
 def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p: Pass,
@@ -182,7 +184,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
                     hi = state.astype(dtype)
                     scratch["st_hi"][...] = hi
                     parts.append(scratch["st_hi"])
-                    if p.store_parts == 2 or p.outputs:
+                    if p.store_parts == 2 or (p.outputs and p.out_parts == 2):
                         scratch["st_lo"][...] = (state - hi.astype(F32)).astype(dtype)
                         parts.append(scratch["st_lo"])
                     plgpu.commit_smem()
@@ -207,9 +209,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
                 x_s, y_s = scratch["x"].at[slot], scratch["y"].at[slot]
                 if p.outputs:
                     a_s = scratch["a"].at[slot]
-                    o = matmul([(scratch["w"].at[slot], parts[0]),
-                                (scratch["w"].at[slot], parts[1]),
-                                (T(a_s) if p.reverse else a_s, y_s)], (c, bv),
+                    o = matmul([(scratch["w"].at[slot], part) for part in parts[:p.out_parts]]
+                               + [(T(a_s) if p.reverse else a_s, y_s)], (c, bv),
                                interpret=interpret)
                 state = matmul([(T(x_s), y_s)], state.shape, interpret=interpret, init=decayed)
                 if interpret:  # jnp.dot read the slot through the generic proxy: order it
@@ -285,7 +286,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
         scratch_types["term"] = plgpu.SMEM((kd,), F32)
     if p.store_parts or p.outputs:
         scratch_types["st_hi"] = plgpu.SMEM((kd, bv), dtype, **tiled)
-        if p.store_parts == 2 or p.outputs:
+        if p.store_parts == 2 or (p.outputs and p.out_parts == 2):
             scratch_types["st_lo"] = plgpu.SMEM((kd, bv), dtype, **tiled)
     loads = 3 + 2 * p.outputs + p.term_parts * p.state_term
     scratch_types["ready"] = plgpu.Barrier(num_arrivals=loads, num_barriers=stages)

@@ -23,6 +23,7 @@ CHUNK_KERNELS = ("auto", "triton", "mosaic_gpu")
 GROUP_SUMS = ("float32", "input")
 STATE_BLOCK_VS = (32, 64)
 STATE_PARTS = (1, 2)
+OUTPUT_PARTS = (1, 2)
 WARPS = (1, 2, 4, 8, 16)
 MOSAIC_BLOCK_V = 64  # V tile of the Mosaic GPU forward (one block per V tile, head and batch)
 MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in registers)
@@ -30,8 +31,8 @@ MOSAIC_KEY_DIMS = (64, 128)  # padded K it takes (the state tile lives in regist
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiles of the GPU GLA kernels (performance only; results do not depend on them, but for
-    the rounding of the key groups' partial sums, mosaic_group_sums).
+    """Tiles of the GPU GLA kernels (performance only: every setting computes the same function;
+    three fields move one rounding: mosaic_group_sums, mosaic_state_parts, mosaic_output_parts).
 
     Attributes:
       block_v: V tile of the state passes, outputs and dv (64 or 128; None: `value_block`, 128
@@ -63,6 +64,12 @@ class BlockSizes:
         the backward's state term: 1 (hi alone; the default: the state term's first chunk of
         each row or time segment takes the float32 state entering it), or 2 (hi and lo, twice
         the bytes written and read back; docs/gpu_backend.md, "One stored part of h").
+      mosaic_output_parts: 16-bit parts of the state that the pair-level state passes' outputs
+        take, o = qd h + A v forward and dv = kd dh + A^T do reversed: 1 (hi alone, the state
+        rounded to the input dtype as XLA's chunked baseline rounds it; the default: one product
+        and one rounding fewer per chunk, the forward 2-10% faster), or 2 (hi and lo, the
+        float32 state's accuracy; docs/gpu_backend.md, "One part of the state in the
+        outputs").
     """
 
     block_v: int | None = None
@@ -75,6 +82,7 @@ class BlockSizes:
     mosaic_group_sums: str = "input"
     mosaic_block_v: int = 64
     mosaic_state_parts: int = 1
+    mosaic_output_parts: int = 1
 
     def __post_init__(self):
         splits = self.mosaic_time_splits
@@ -84,6 +92,7 @@ class BlockSizes:
                              "of two >= 1.")
         for name, choices in (("forward_kernel", FORWARD_KERNELS), ("chunk_kernel", CHUNK_KERNELS),
                               ("mosaic_state_parts", STATE_PARTS),
+                              ("mosaic_output_parts", OUTPUT_PARTS),
                               ("mosaic_block_v", STATE_BLOCK_VS), ("mosaic_group_sums", GROUP_SUMS),
                               ("num_warps", WARPS), ("num_warps_dqk", WARPS)):
             value = getattr(self, name)
@@ -136,6 +145,8 @@ class ChunkGeometry:
     state_block_v: int = 64
     # 16-bit parts of h stored for the backward (BlockSizes.mosaic_state_parts)
     state_parts: int = 1
+    # 16-bit parts of the state the state passes' outputs take (BlockSizes.mosaic_output_parts)
+    output_parts: int = 1
 
 
 def compiler_params(geo: ChunkGeometry):
@@ -177,6 +188,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
         mosaic_splits=splits, mosaic_chunk=mosaic_chunk,
         key_groups=groups, group_sums_16bit=block_sizes.mosaic_group_sums == "input",
         state_block_v=block_sizes.mosaic_block_v, state_parts=block_sizes.mosaic_state_parts,
+        output_parts=block_sizes.mosaic_output_parts,
     )
 
 

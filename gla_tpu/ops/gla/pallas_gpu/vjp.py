@@ -153,12 +153,13 @@ def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, h_first=None, p, sp
 
 def _configured(p, geo):
     """The state pass `p` as geo asks: its key groups, their partial sums, its value tile, the
-    parts of h the training pass stores and the state term reads."""
+    parts of h the training pass stores and the state term reads, the parts of the state its
+    outputs take."""
     one_part = geo.state_parts == 1
     return dataclasses.replace(
         p, groups=geo.key_groups, sums_16bit=geo.group_sums_16bit, block_v=geo.state_block_v,
         store_parts=min(p.store_parts, 1) if one_part else p.store_parts,
-        term_parts=1 if one_part else p.term_parts)
+        term_parts=1 if one_part else p.term_parts, out_parts=geo.output_parts)
 
 
 def state_passes(geo):
