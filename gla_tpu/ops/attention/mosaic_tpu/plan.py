@@ -23,6 +23,7 @@ _BLOCK_FIELDS = (
 )
 _TILE_FIELDS = _BLOCK_FIELDS + ("block_kv_compute",)
 _FORWARD_TILE_FIELDS = ("block_q", "block_kv", "block_kv_compute")
+_BACKWARD_TILE_FIELDS = ("block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv")
 
 
 # VMEM from which a chip with 128-wide MXUs takes the D = 256 forward in 1024 x 1024 tiles
@@ -284,6 +285,9 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
             bq, bkv, bkc = fitted
     if default_forward_tiles and rows_kernels and not reads_rows:
         bq, bkv, bkc = _forward_tiles_d128(problem, info, False, bq, bkv, bkc)
+    if rows_kernels and not any(getattr(given, f) is not None for f in _BACKWARD_TILE_FIELDS):
+        bq_dq, bkv_dq, bq_dkv, bkv_dkv = _backward_tiles_d256(
+            problem, info, bq_dq, bkv_dq, bq_dkv, bkv_dkv)
     back_rows = back_rows and reads_rows  # the backward reads the residuals the forward saved
     if back_rows and bs.backward_reads_rows is None and info is not None:
         back_rows = info.generation in _ROWS_BACKWARD_GENERATIONS
@@ -341,6 +345,23 @@ def _forward_tiles_d128(problem, info, reads_rows: bool, bq: int, bkv: int, bkc:
         return bq, bkv, bkc
     bkv = min(1024, _block_cap(problem.kv_len))
     return min(1024, _block_cap(problem.q_len)), bkv, min(512, bkv)
+
+
+def _backward_tiles_d256(problem, info, *tiles):
+    """The dq and dk/dv kernels' default tiles (block_q_dq, block_kv_dq, block_q_dkv,
+    block_kv_dkv) at D > 128 in 16-bit dtypes on chips with two TensorCores per device, 128-wide
+    MXUs and 64 MiB of VMEM or more (v5p): 1024 x 1024; elsewhere `tiles` as resolved. By
+    libtpu's estimate (B1 H8 T4096 D256 forward+backward, bfloat16) they take 5.3% (full) and
+    1.2% (causal) off on v5p, but add 2.7% on v5e (one TensorCore), which keeps 512 x 512; in
+    float32 they outgrow the default scoped VMEM (docs/benchmarks.md, "D = 256 backward tiles on
+    v5p"). Applies where the caller set none of the four; ring attention's blocks keep the
+    BlockSizes defaults."""
+    if (info is None or info.num_cores < 2 or info.mxu_column_size > LANES
+            or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES or problem.head_dim <= LANES
+            or jnp.dtype(problem.dtype).itemsize != 2):
+        return tiles
+    q_cap, kv_cap = _block_cap(problem.q_len), _block_cap(problem.kv_len)
+    return min(1024, q_cap), min(1024, kv_cap), min(1024, q_cap), min(1024, kv_cap)
 
 
 def _rows_apply(problem) -> bool:
