@@ -15,8 +15,9 @@ h = hi + lo). Reversed: x = qd, y = do, w = kd, out = dv, and S the gradient dh_
 state after chunk n (stored as one 16-bit part); it also sums the state term of dg,
 sum_V h_n dh_{n+1} [K], from the forward's two parts (or from hi alone and, at each row's first
 chunk, the float32 state entering it: Pass.term_parts). The loop ends on the final state (forward)
-or d initial_state (reversed), float32. w S takes S in its two 16-bit parts, so the inter-chunk
-product keeps float32 accuracy (or in hi alone: Pass.out_parts).
+or d initial_state (reversed), float32. w S takes S in its high 16-bit part (Pass.out_parts = 1,
+what ops.gla runs by default: the state rounded to the input dtype, as XLA's chunked baseline
+rounds it) or in both parts, which keeps the inter-chunk product float32-accurate.
 
 K above 128 runs as G groups of 128 keys (virtual heads; the state is separable by key, out is
 the sum of the groups' outs). One block walks its head's groups one after another, each over all
@@ -75,7 +76,8 @@ class Pass:
     # 16-bit parts of the forward's states the state term reads (state_term): 2 (hi and lo), or
     # 1 (hi; the first chunk's state then comes exact from state_pass's h_first)
     term_parts: int = 2
-    # 16-bit parts of S that w S takes (outputs): 2 (hi and lo, float32-accurate), or 1 (hi)
+    # 16-bit parts of S that w S takes (outputs): 2 (hi and lo, float32-accurate), or 1 (hi;
+    # BlockSizes.mosaic_output_parts, whose default is 1)
     out_parts: int = 2
 
 
