@@ -149,15 +149,19 @@ def test_forward_tiles_d128(generation, batch, causal, expected):
         assert compile_for_tpu(fn, x, x, x, generation=generation) is not None
 
 
-# The backward's default tiles at D = 256 (plan._backward_tiles_d256): 1024 x 1024 on v5p (two
-# TensorCores, 128-wide MXUs, 64 MiB of VMEM) in 16-bit dtypes, compiled there in bfloat16 with
-# segment ids (their rows in VMEM too); float32 on v5p and one-core v5e keep 512 x 512.
-@pytest.mark.parametrize("generation,dtype,expected", [
-    ("v5p", BF16, (1024, 1024, 1024, 1024)),
-    ("v5p", F32, (512, 512, 512, 512)),
-    ("v5e", BF16, (512, 512, 512, 512)),
-], ids=["v5p-bfloat16", "v5p-float32", "v5e-bfloat16"])
-def test_backward_tiles_d256(generation, dtype, expected):
+# The backward's default tiles at D = 256 (plan._backward_tiles_d256): 1024 x 1024 in 16-bit
+# dtypes on v5p (two TensorCores, 128-wide MXUs, 64 MiB of VMEM), compiled there in bfloat16,
+# causal with segment ids (their rows in VMEM too), and on v5e without a mask, compiled there;
+# float32, and v5e with a causal mask or segment ids, keep 512 x 512.
+@pytest.mark.parametrize("generation,dtype,causal,segments,expected", [
+    ("v5p", BF16, True, True, (1024, 1024, 1024, 1024)),
+    ("v5p", F32, True, True, (512, 512, 512, 512)),
+    ("v5e", BF16, True, False, (512, 512, 512, 512)),
+    ("v5e", BF16, False, True, (512, 512, 512, 512)),
+    ("v5e", BF16, False, False, (1024, 1024, 1024, 1024)),
+], ids=["v5p-bfloat16-causal-segments", "v5p-float32", "v5e-causal", "v5e-segments",
+        "v5e-full"])
+def test_backward_tiles_d256(generation, dtype, causal, segments, expected):
     from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
     from gla_tpu.ops.attention.validation import validate_attention
     from gla_tpu.testing.tpu_compile import targeting
@@ -165,18 +169,19 @@ def test_backward_tiles_d256(generation, dtype, expected):
     x = jax.ShapeDtypeStruct((2, 2048, 8, 256), dtype)
     seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
     ids = jnp.zeros(seg.shape, seg.dtype)
-    problem, _, _ = validate_attention(x, x, x, causal=True, sm_scale=None,
-                                       segment_ids=(ids, ids))
+    problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None,
+                                       segment_ids=(ids, ids) if segments else None)
     with targeting(generation):
         cfg = kernel_config(problem, None, False)
     assert (cfg.block_q_dq, cfg.block_kv_dq, cfg.block_q_dkv, cfg.block_kv_dkv) == expected
     if expected[0] == 1024:
-        def forward(q, k, v, q_seg, kv_seg):
-            return ops.flash_attention(q, k, v, causal=True, segment_ids=(q_seg, kv_seg),
+        def forward(q, k, v, *seg_ids):
+            return ops.flash_attention(q, k, v, causal=causal, segment_ids=seg_ids or None,
                                        backend="mosaic_tpu")
 
         fn = _grad_of_sum(forward, (0, 1, 2))
-        assert compile_for_tpu(fn, x, x, x, seg, seg, generation=generation) is not None
+        args = (x, x, x) + ((seg, seg) if segments else ())
+        assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
 # A BlockSizes that sets some fields leaves the others to the op's defaults for the chip and

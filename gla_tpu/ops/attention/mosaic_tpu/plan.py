@@ -349,14 +349,17 @@ def _forward_tiles_d128(problem, info, reads_rows: bool, bq: int, bkv: int, bkc:
 
 def _backward_tiles_d256(problem, info, *tiles):
     """The dq and dk/dv kernels' default tiles (block_q_dq, block_kv_dq, block_q_dkv,
-    block_kv_dkv) at D > 128 in 16-bit dtypes on chips with two TensorCores per device, 128-wide
-    MXUs and 64 MiB of VMEM or more (v5p): 1024 x 1024; elsewhere `tiles` as resolved. By
-    libtpu's estimate (B1 H8 T4096 D256 forward+backward, bfloat16) they take 5.3% (full) and
-    1.2% (causal) off on v5p, but add 2.7% on v5e (one TensorCore), which keeps 512 x 512; in
-    float32 they outgrow the default scoped VMEM (docs/benchmarks.md, "D = 256 backward tiles on
-    v5p"). Applies where the caller set none of the four; ring attention's blocks keep the
-    BlockSizes defaults."""
-    if (info is None or info.num_cores < 2 or info.mxu_column_size > LANES
+    block_kv_dkv) at D > 128 in 16-bit dtypes on chips with 128-wide MXUs and 64 MiB of VMEM or
+    more: 1024 x 1024 on two TensorCores per device (v5p), and on one (v5e) without a causal mask
+    or segment ids; elsewhere `tiles` as resolved. By libtpu's estimate (B1 H8 T4096 D256
+    forward+backward, bfloat16) they take 5.3% (full) and 1.2% (causal) off on v5p, and 3.7%
+    (full) off on v5e, where causal gains nothing (+2.7%; segment ids unmeasured); in float32
+    they outgrow the default scoped VMEM (docs/benchmarks.md, "D = 256 backward tiles on v5p").
+    Applies where the caller set none of the four; ring attention's blocks keep the BlockSizes
+    defaults."""
+    one_core_masked = info is not None and info.num_cores < 2 and (
+        problem.causal or problem.has_segments)
+    if (info is None or one_core_masked or info.mxu_column_size > LANES
             or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES or problem.head_dim <= LANES
             or jnp.dtype(problem.dtype).itemsize != 2):
         return tiles
