@@ -152,6 +152,8 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
         BlockSizes(mosaic_block_v=48)
     with pytest.raises(ValueError, match="mosaic_state_parts=3"):
         BlockSizes(mosaic_state_parts=3)
+    with pytest.raises(ValueError, match="mosaic_output_parts=0"):
+        BlockSizes(mosaic_output_parts=0)
 
 
 # The key groups' partial sums of o and dv (BlockSizes.mosaic_group_sums) in the input dtype (the
