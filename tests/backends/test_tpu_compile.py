@@ -123,50 +123,59 @@ def test_attention_float32_d256_compiles(generation):
     assert compile_for_tpu(fn, x, x, x, seg, seg, generation=generation) is not None
 
 
-# The forward's default tiles at D = 128 on 128-wide MXUs (plan._forward_tiles_d128): 1024 x 1024
-# in 512-key steps where the chip has 64 MiB of VMEM or more, for the head-major forward (v5p,
-# causal at batch 1: compiled here, as the compile sweep's configurations do not reach it) and
-# for the rows forward without a mask; the causal rows forward keeps 512 x 512.
-@pytest.mark.parametrize("generation,batch,causal,expected", [
-    ("v5p", 1, True, (False, 1024, 1024, 512)),
-    ("v5p", 2, True, (True, 512, 512, 512)),
-    ("v5e", 1, False, (True, 1024, 1024, 512)),
-    ("v4", 1, True, (False, 512, 512, 512)),  # 16 MiB of VMEM
-])
-def test_forward_tiles_d128(generation, batch, causal, expected):
+# The forward's default tiles at 64 <= D <= 128 on 128-wide MXUs (plan._forward_tiles_128_wide):
+# 1024 x 1024 in 512-key steps where the chip has 64 MiB of VMEM or more, for the head-major
+# forward (at D = 128 v5p causal at batch 1: compiled here, as the compile sweep's configurations
+# do not reach it; at D = 64 always, compiled on v5e causal) and for the rows forward without a
+# mask; the causal rows forward keeps 512 x 512, and so does D < 64.
+@pytest.mark.parametrize("generation,batch,d,causal,expected", [
+    ("v5p", 1, 128, True, (False, 1024, 1024, 512)),
+    ("v5p", 2, 128, True, (True, 512, 512, 512)),
+    ("v5e", 1, 128, False, (True, 1024, 1024, 512)),
+    ("v4", 1, 128, True, (False, 512, 512, 512)),  # 16 MiB of VMEM
+    ("v5e", 1, 64, True, (False, 1024, 1024, 512)),
+    ("v5p", 2, 64, False, (False, 1024, 1024, 512)),
+    ("v5e", 1, 32, True, (False, 512, 512, 512)),
+], ids=["v5p-d128-causal-b1", "v5p-d128-causal-b2", "v5e-d128-full", "v4-d128", "v5e-d64-causal",
+        "v5p-d64-full", "v5e-d32"])
+def test_forward_tiles_128_wide(generation, batch, d, causal, expected):
     from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
     from gla_tpu.ops.attention.validation import validate_attention
     from gla_tpu.testing.tpu_compile import targeting
 
-    x = jax.ShapeDtypeStruct((batch, 4096, 8, 128), BF16)
+    x = jax.ShapeDtypeStruct((batch, 4096, 8, d), BF16)
     problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
     with targeting(generation):
         cfg = kernel_config(problem, None, False)
     assert (cfg.forward_reads_rows, cfg.block_q, cfg.block_kv, cfg.block_kv_compute) == expected
-    if (generation, batch) in (("v5p", 1), ("v5e", 1)):
+    if (generation, batch, d) in (("v5p", 1, 128), ("v5e", 1, 128), ("v5e", 1, 64)):
         fn = _grad_of_sum(lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
                                                               backend="mosaic_tpu"), (0, 1, 2))
         assert compile_for_tpu(fn, x, x, x, generation=generation) is not None
 
 
-# The backward's default tiles at D = 256 (plan._backward_tiles_d256): 1024 x 1024 in 16-bit
-# dtypes on v5p (two TensorCores, 128-wide MXUs, 64 MiB of VMEM), compiled there in bfloat16,
+# The backward's default tiles on 128-wide MXUs (plan._backward_tiles_128_wide): 1024 x 1024 in
+# 16-bit dtypes at D = 256 on v5p (two TensorCores, 64 MiB of VMEM), compiled there in bfloat16,
 # causal with segment ids (their rows in VMEM too), and on v5e without a mask, compiled there;
-# float32, and v5e with a causal mask or segment ids, keep 512 x 512.
-@pytest.mark.parametrize("generation,dtype,causal,segments,expected", [
-    ("v5p", BF16, True, True, (1024, 1024, 1024, 1024)),
-    ("v5p", F32, True, True, (512, 512, 512, 512)),
-    ("v5e", BF16, True, False, (512, 512, 512, 512)),
-    ("v5e", BF16, False, True, (512, 512, 512, 512)),
-    ("v5e", BF16, False, False, (1024, 1024, 1024, 1024)),
+# at D = 64 on v5p, compiled there causal with segment ids; float32, v5e with a causal mask or
+# segment ids at D = 256, v5e at D = 64 and D = 128 everywhere keep 512 x 512.
+@pytest.mark.parametrize("generation,d,dtype,causal,segments,expected", [
+    ("v5p", 256, BF16, True, True, (1024, 1024, 1024, 1024)),
+    ("v5p", 256, F32, True, True, (512, 512, 512, 512)),
+    ("v5e", 256, BF16, True, False, (512, 512, 512, 512)),
+    ("v5e", 256, BF16, False, True, (512, 512, 512, 512)),
+    ("v5e", 256, BF16, False, False, (1024, 1024, 1024, 1024)),
+    ("v5p", 64, BF16, True, True, (1024, 1024, 1024, 1024)),
+    ("v5e", 64, BF16, False, False, (512, 512, 512, 512)),
+    ("v5p", 128, BF16, False, False, (512, 512, 512, 512)),
 ], ids=["v5p-bfloat16-causal-segments", "v5p-float32", "v5e-causal", "v5e-segments",
-        "v5e-full"])
-def test_backward_tiles_d256(generation, dtype, causal, segments, expected):
+        "v5e-full", "v5p-d64-causal-segments", "v5e-d64", "v5p-d128"])
+def test_backward_tiles_128_wide(generation, d, dtype, causal, segments, expected):
     from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
     from gla_tpu.ops.attention.validation import validate_attention
     from gla_tpu.testing.tpu_compile import targeting
 
-    x = jax.ShapeDtypeStruct((2, 2048, 8, 256), dtype)
+    x = jax.ShapeDtypeStruct((2, 2048, 8, d), dtype)
     seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
     ids = jnp.zeros(seg.shape, seg.dtype)
     problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None,

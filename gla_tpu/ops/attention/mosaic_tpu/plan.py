@@ -37,9 +37,10 @@ class BlockSizes:
 
     Sequence lengths shorter than a block shrink it to the next power-of-two multiple of 128 that
     covers them; longer ones are padded up to a multiple of the blocks and masked. A tile left
-    None takes the op's default for the chip and the problem (`BlockSizes.default`, and at
-    D = 128 on v5e / v5p the forward's rule `_forward_tiles_d128` while block_q, block_kv and
-    block_kv_compute are all None), so setting one field leaves the others at their defaults.
+    None takes the op's default for the chip and the problem (`BlockSizes.default`; on v5e / v5p
+    also the forward's rule `_forward_tiles_128_wide` while block_q, block_kv and
+    block_kv_compute are all None, and the backward's `_backward_tiles_128_wide` while its four
+    tiles are), so setting one field leaves the others at their defaults.
 
     Attributes:
       block_q, block_kv: forward tile of queries and of keys fetched per grid step.
@@ -278,15 +279,15 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
     if reads_rows and bs.forward_reads_rows is None:
         tiles = (bq, bkv, bkc)
         if default_forward_tiles:
-            tiles = _forward_tiles_d128(problem, info, True, *tiles)
+            tiles = _forward_tiles_128_wide(problem, info, True, *tiles)
         fitted = fit("fwd", *tiles)
         reads_rows = fitted is not None
         if reads_rows:
             bq, bkv, bkc = fitted
     if default_forward_tiles and rows_kernels and not reads_rows:
-        bq, bkv, bkc = _forward_tiles_d128(problem, info, False, bq, bkv, bkc)
+        bq, bkv, bkc = _forward_tiles_128_wide(problem, info, False, bq, bkv, bkc)
     if rows_kernels and not any(getattr(given, f) is not None for f in _BACKWARD_TILE_FIELDS):
-        bq_dq, bkv_dq, bq_dkv, bkv_dkv = _backward_tiles_d256(
+        bq_dq, bkv_dq, bq_dkv, bkv_dkv = _backward_tiles_128_wide(
             problem, info, bq_dq, bkv_dq, bq_dkv, bkv_dkv)
     back_rows = back_rows and reads_rows  # the backward reads the residuals the forward saved
     if back_rows and bs.backward_reads_rows is None and info is not None:
@@ -327,19 +328,21 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
     )
 
 
-def _forward_tiles_d128(problem, info, reads_rows: bool, bq: int, bkv: int, bkc: int):
-    """The forward's default tiles (block_q, block_kv, block_kv_compute) at D = 128 on chips with
-    128-wide MXUs and 64 MiB of VMEM or more (v5e, v5p), where the caller set none of them:
-    1024 x 1024 in 512-key steps for the head-major forward (which runs there where the rows
-    forward does not apply: v5p causal at batch 1, odd H in bfloat16) and for the rows forward
-    (`reads_rows`) of a problem without a mask; elsewhere the BlockSizes defaults as resolved
-    (bq, bkv, bkc). By libtpu's estimate (B1 H8 T4096): the head-major causal forward 12% fewer
-    cycles on v5p, the rows forward without a mask 6% (v5e) and 7% (v5p) fewer, but the rows
-    forward with the causal mask 2% more on v5e, so it keeps 512 x 512 (docs/benchmarks.md, "The
-    head-major forward's tiles at D = 128 on v5e and v5p" and "The rows forward's tiles without
-    a mask"). Ring attention's blocks keep the BlockSizes defaults. Applies where the caller
-    left the forward's three tiles None (BlockSizes.forward_tiles_set)."""
-    if (info is None or info.mxu_column_size > LANES or problem.head_dim != LANES
+def _forward_tiles_128_wide(problem, info, reads_rows: bool, bq: int, bkv: int, bkc: int):
+    """The forward's default tiles (block_q, block_kv, block_kv_compute) at 64 <= D <= 128 on
+    chips with 128-wide MXUs and 64 MiB of VMEM or more (v5e, v5p), where the caller set none of
+    them: 1024 x 1024 in 512-key steps for the head-major forward (at D = 128 it runs there where
+    the rows forward does not apply: v5p causal at batch 1, odd H in bfloat16; at D < 128 always)
+    and for the rows forward (`reads_rows`, D = 128) of a problem without a mask; elsewhere the
+    BlockSizes defaults as resolved (bq, bkv, bkc). By libtpu's estimate (B1 H8 T4096): the
+    head-major causal forward at D = 128 12% fewer cycles on v5p; at D = 64 full / causal 10% /
+    4% fewer on v5e and 9% / 5% on v5p; the rows forward without a mask 6% (v5e) and 7% (v5p)
+    fewer, but the rows forward with the causal mask 2% more on v5e, so it keeps 512 x 512
+    (docs/benchmarks.md, "The head-major forward's tiles at D = 128 on v5e and v5p", "The rows
+    forward's tiles without a mask" and "D = 64 tiles on v5e and v5p"). D < 64 keeps the
+    defaults (not estimated). Ring attention's blocks keep the BlockSizes defaults. Applies where
+    the caller left the forward's three tiles None (BlockSizes.forward_tiles_set)."""
+    if (info is None or info.mxu_column_size > LANES or not 64 <= problem.head_dim <= LANES
             or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES
             or (reads_rows and (problem.causal or problem.has_segments))):
         return bq, bkv, bkc
@@ -347,21 +350,28 @@ def _forward_tiles_d128(problem, info, reads_rows: bool, bq: int, bkv: int, bkc:
     return min(1024, _block_cap(problem.q_len)), bkv, min(512, bkv)
 
 
-def _backward_tiles_d256(problem, info, *tiles):
+def _backward_tiles_128_wide(problem, info, *tiles):
     """The dq and dk/dv kernels' default tiles (block_q_dq, block_kv_dq, block_q_dkv,
-    block_kv_dkv) at D > 128 in 16-bit dtypes on chips with 128-wide MXUs and 64 MiB of VMEM or
-    more: 1024 x 1024 on two TensorCores per device (v5p), and on one (v5e) without a causal mask
-    or segment ids; elsewhere `tiles` as resolved. By libtpu's estimate (B1 H8 T4096 D256
-    forward+backward, bfloat16) they take 5.3% (full) and 1.2% (causal) off on v5p, and 3.7%
-    (full) off on v5e, where causal gains nothing (+2.7%; segment ids unmeasured); in float32
-    they outgrow the default scoped VMEM (docs/benchmarks.md, "D = 256 backward tiles on v5p").
+    block_kv_dkv) in 16-bit dtypes on chips with 128-wide MXUs and 64 MiB of VMEM or more:
+    1024 x 1024
+    - at D > 128 on two TensorCores per device (v5p), and on one (v5e) without a causal mask or
+      segment ids;
+    - at 64 <= D < 128 on two TensorCores per device (v5p);
+    elsewhere `tiles` as resolved (D = 128 keeps them). By libtpu's estimate (B1 H8 T4096
+    forward+backward, bfloat16) they take 5.3% (full) and 1.2% (causal) off at D = 256 on v5p,
+    and 3.7% (full) off on v5e, where causal gains nothing (+2.7%; segment ids unmeasured); at
+    D = 64 on v5p, 8.2% (full) and 4.8% (causal); v5e's dk/dv kernel at D = 64 does not
+    profile, so it keeps 512 there. In float32 they outgrow the default scoped VMEM
+    (docs/benchmarks.md, "D = 256 backward tiles on v5p" and "D = 64 tiles on v5e and v5p").
     Applies where the caller set none of the four; ring attention's blocks keep the BlockSizes
     defaults."""
-    one_core_masked = info is not None and info.num_cores < 2 and (
-        problem.causal or problem.has_segments)
-    if (info is None or one_core_masked or info.mxu_column_size > LANES
-            or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES or problem.head_dim <= LANES
-            or jnp.dtype(problem.dtype).itemsize != 2):
+    d = problem.head_dim
+    if (info is None or info.mxu_column_size > LANES
+            or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES
+            or jnp.dtype(problem.dtype).itemsize != 2 or d == LANES or d < 64):
+        return tiles
+    two_cores = info.num_cores >= 2
+    if not two_cores and (d < LANES or problem.causal or problem.has_segments):
         return tiles
     q_cap, kv_cap = _block_cap(problem.q_len), _block_cap(problem.kv_len)
     return min(1024, q_cap), min(1024, kv_cap), min(1024, q_cap), min(1024, kv_cap)
