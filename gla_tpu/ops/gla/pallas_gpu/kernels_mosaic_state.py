@@ -80,6 +80,12 @@ class Pass:
     # BlockSizes.mosaic_output_parts, whose default is 1)
     out_parts: int = 2
 
+    @property
+    def splits_state(self) -> bool:
+        """Whether a chunk's S is split into hi and lo: stored in two parts, or taken in two by
+        the outputs."""
+        return self.store_parts == 2 or (self.outputs and self.out_parts == 2)
+
 
 def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p: Pass,
                interpret):
@@ -186,7 +192,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
                     hi = state.astype(dtype)
                     scratch["st_hi"][...] = hi
                     parts.append(scratch["st_hi"])
-                    if p.store_parts == 2 or (p.outputs and p.out_parts == 2):
+                    if p.splits_state:
                         scratch["st_lo"][...] = (state - hi.astype(F32)).astype(dtype)
                         parts.append(scratch["st_lo"])
                     plgpu.commit_smem()
@@ -288,7 +294,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
         scratch_types["term"] = plgpu.SMEM((kd,), F32)
     if p.store_parts or p.outputs:
         scratch_types["st_hi"] = plgpu.SMEM((kd, bv), dtype, **tiled)
-        if p.store_parts == 2 or (p.outputs and p.out_parts == 2):
+        if p.splits_state:
             scratch_types["st_lo"] = plgpu.SMEM((kd, bv), dtype, **tiled)
     loads = 3 + 2 * p.outputs + p.term_parts * p.state_term
     scratch_types["ready"] = plgpu.Barrier(num_arrivals=loads, num_barriers=stages)
