@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_tpu.ops.attention.mosaic_tpu import rows
 from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig, cost_estimate
 from gla_tpu.ops.common.base2 import LN_2, LOG2_E
 from gla_tpu.ops.common.masks import attention_visibility
@@ -133,25 +134,36 @@ def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
 def _forward_head(cfg: KernelConfig, i, j, read_q, read_kv, write_o, lse_ref, m_sc, acc_sc,
                   sums_sc, q_seg_ref, kv_seg_ref):
     """One head's online softmax at grid step (q block i, kv block j): the state starts at the
-    first kv block, takes this kv block where the q block sees it, and o and lse are written after
-    the last one.
+    first kv block (`_forward_init`), takes this kv block where the q block sees it
+    (`_forward_update`), and o and lse are written after the last one (`_forward_finalize`).
 
     read_q() -> q [bq, D]; read_kv(cols) -> (k, v) [bkc, D] for a slice of the kv block's rows;
     write_o(o) stores o [bq, D] float32; lse_ref a [1, bq] row. m_sc [bq, 128]; with row sums on
     the VPU acc_sc [bq, D] and sums_sc = l [bq, 128]; on the MXU acc_sc = [l | acc]
     [bq, 128 + D] and sums_sc = vx = [ones | v] [bkc, 128 + D] (the ones go first so that every
     slice starts on a lane tile)."""
-    l_sc, vx_sc = (None, sums_sc) if cfg.row_sum_on_mxu else (sums_sc, None)
-    bq, bkv, bkc, d = cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.head_dim
+    pl.when(j == 0)(lambda: _forward_init(cfg, m_sc, acc_sc, sums_sc))
+    _forward_update(cfg, i, j, read_q, read_kv, m_sc, acc_sc, sums_sc, q_seg_ref, kv_seg_ref)
+    pl.when(j == cfg.kv_len_padded // cfg.block_kv - 1)(
+        lambda: _forward_finalize(cfg, write_o, lse_ref, m_sc, acc_sc, sums_sc))
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        if cfg.row_sum_on_mxu:
-            vx_sc[:, :LANES] = jnp.ones((bkc, LANES), vx_sc.dtype)
-        else:
-            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+
+def _forward_init(cfg: KernelConfig, m_sc, acc_sc, sums_sc):
+    """The online softmax's state before the first kv block (of one head, or with a leading head
+    axis, of every head)."""
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    if cfg.row_sum_on_mxu:
+        sums_sc[:, :LANES] = jnp.ones((cfg.block_kv_compute, LANES), sums_sc.dtype)
+    else:
+        sums_sc[...] = jnp.zeros(sums_sc.shape, jnp.float32)
+
+
+def _forward_update(cfg: KernelConfig, i, j, read_q, read_kv, m_sc, acc_sc, sums_sc, q_seg_ref,
+                    kv_seg_ref):
+    """One head's state takes kv block j where q block i sees it (`_forward_head`'s arguments)."""
+    l_sc, vx_sc = (None, sums_sc) if cfg.row_sum_on_mxu else (sums_sc, None)
+    bq, bkv, bkc = cfg.block_q, cfg.block_kv, cfg.block_kv_compute
 
     def compute(masked: bool):
         q = read_q()  # [bq, D]
@@ -188,18 +200,19 @@ def _forward_head(cfg: KernelConfig, i, j, read_q, read_kv, write_o, lse_ref, m_
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
-    @pl.when(j == cfg.kv_len_padded // bkv - 1)
-    def _finalize():
-        l = acc_sc[:, :LANES] if cfg.row_sum_on_mxu else l_sc[...]  # [bq, 128], lanes equal
-        acc = acc_sc[:, LANES:] if cfg.row_sum_on_mxu else acc_sc[...]  # [bq, D]
-        seen = l > 0.0
-        inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        write_o(acc * _lanes_to(inv_l, d))
-        # A row that sees no key gets lse = +inf, so exp(s - lse) = 0 in the backward.
-        lse = jnp.where(seen, m_sc[...] * LN_2 + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-        # [bq, 128] with equal lanes -> the [1, bq] row the backward reads (one transpose per q
-        # block; an lse stored replicated over 128 lanes would cost 128x its bytes in HBM).
-        lse_ref[...] = jnp.transpose(lse)[:1, :]
+
+def _forward_finalize(cfg: KernelConfig, write_o, lse_ref, m_sc, acc_sc, sums_sc):
+    """One head's o and lse after the last kv block (`_forward_head`'s arguments)."""
+    l = acc_sc[:, :LANES] if cfg.row_sum_on_mxu else sums_sc[...]  # [bq, 128], lanes equal
+    acc = acc_sc[:, LANES:] if cfg.row_sum_on_mxu else acc_sc[...]  # [bq, D]
+    seen = l > 0.0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    write_o(acc * _lanes_to(inv_l, cfg.head_dim))
+    # A row that sees no key gets lse = +inf, so exp(s - lse) = 0 in the backward.
+    lse = jnp.where(seen, m_sc[...] * LN_2 + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+    # [bq, 128] with equal lanes -> the [1, bq] row the backward reads (one transpose per q
+    # block; an lse stored replicated over 128 lanes would cost 128x its bytes in HBM).
+    lse_ref[...] = jnp.transpose(lse)[:1, :]
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
@@ -215,38 +228,47 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
                   sums_sc, q_seg_ref, kv_seg_ref)
 
 
-def _fwd_rows_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig):
-    """Token-major blocks of every head (plan.forward_reads_rows): q [bq * H, 128] with head h of
-    token t at row t * H + h (the [B, T, H, 128] input by a free reshape), k and v likewise with
-    Hkv heads; grid (b, i, j). The heads are unrolled strided row reads; o is gathered in
-    float32 by strided row writes and stored once, token-major. The state scratch has a leading
-    head axis."""
+def _fwd_rows_kernel(q_hbm, k_hbm, v_hbm, *refs, cfg: KernelConfig):
+    """Every head per block (plan.forward_reads_rows): q [B, Tp * H, 128] with head h of token t
+    at row t * H + h (the [B, Tp, H, 128] input by a free reshape), k and v likewise with Hkv
+    heads, in HBM; grid (b, i, j). The kernel fetches their blocks itself (`rows.RowStream`: q's
+    per q block, k's and v's per kv block) and runs the heads in a loop, each on strided row
+    reads; o is gathered in float32 by strided row writes and stored once, token-major. The
+    state scratch has a leading head axis."""
     q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
-    o_ref, lse_ref, m_sc, acc_sc, sums_sc, o_sc = refs
+    o_ref, lse_ref, m_sc, acc_sc, sums_sc, o_sc, *stream_refs = refs
     bq, bkv = cfg.block_q, cfg.block_kv
-    h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
+    h_q = cfg.num_heads
     i, j = pl.program_id(1), pl.program_id(2)
-    words = not cfg.interpret
+    stream = _row_stream(cfg, [(q_hbm, h_q, bq)], [
+        (k_hbm, cfg.num_kv_heads, bkv), (v_hbm, cfg.num_kv_heads, bkv)], stream_refs,
+        functools.partial(_kv_blocks_seen, cfg, bq, bkv))
+    pl.when(j == 0)(lambda: _forward_init(cfg, m_sc, acc_sc, sums_sc))
 
-    def head_step(h: int):
-        hk = h // cfg.group
+    def step(read):
+        def head_step(h):
+            hk = h // cfg.group
+            _forward_update(
+                cfg, i, j, lambda: read(0, h, 0, bq),
+                lambda cols: (read(1, hk, cols.start, cols.stop - cols.start),
+                              read(2, hk, cols.start, cols.stop - cols.start)),
+                m_sc.at[h], acc_sc.at[h], sums_sc if cfg.row_sum_on_mxu else sums_sc.at[h],
+                q_seg_ref, kv_seg_ref)
 
-        def read_kv(cols):
-            start, size = cols.start, cols.stop - cols.start
-            return (head_rows(k_ref, hk, h_kv, start, size, words),
-                    head_rows(v_ref, hk, h_kv, start, size, words))
+        rows.each_head(h_q, head_step)
 
-        def write_o(o):
-            o_sc[pl.ds(h, bq, stride=h_q), :] = o
-
-        _forward_head(cfg, i, j, lambda: head_rows(q_ref, h, h_q, 0, bq, words), read_kv,
-                      write_o, lse_ref.at[h], m_sc.at[h], acc_sc.at[h],
-                      sums_sc if cfg.row_sum_on_mxu else sums_sc.at[h], q_seg_ref, kv_seg_ref)
-
-    _each_head_in_its_region(h_q, head_step)
+    stream.run(step)
 
     @pl.when(j == cfg.kv_len_padded // bkv - 1)
-    def _store():
+    def _finalize():
+        def head_step(h):
+            def write_o(o):
+                o_sc[pl.ds(h, bq, stride=h_q), :] = o
+
+            _forward_finalize(cfg, write_o, lse_ref.at[h], m_sc.at[h], acc_sc.at[h],
+                              sums_sc if cfg.row_sum_on_mxu else sums_sc.at[h])
+
+        rows.each_head(h_q, head_step)
         o_ref[0] = o_sc[...].astype(o_ref.dtype)
 
 
@@ -259,56 +281,39 @@ def _segment_refs(cfg: KernelConfig, refs):
     return None, None, refs
 
 
-def _backward_rows_reader(cfg: KernelConfig, q_ref, k_ref, v_ref, do_ref, bq: int, bkv: int):
-    """reader(h)() -> (q, do [bq, D] of head h, k, v [bkv, D] of its kv head) from rows blocks."""
-    words = not cfg.interpret
-    h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
-
-    def reader(h: int):
-        hk = h // cfg.group
-        return lambda: (head_rows(q_ref, h, h_q, 0, bq, words),
-                        head_rows(k_ref, hk, h_kv, 0, bkv, words),
-                        head_rows(v_ref, hk, h_kv, 0, bkv, words),
-                        head_rows(do_ref, h, h_q, 0, bq, words))
-
-    return reader
+def _row_stream(cfg: KernelConfig, row_operands, step_operands, stream_refs, visible):
+    """The rows.RowStream of a rows kernel: operands (hbm ref [B, N * Hx, 128], Hx, block
+    tokens), their scratch `stream_refs` (`_stream_scratch`), visible(r) -> (lo, hi)."""
+    ops = [rows.operand(x, hx, block, cfg.interpret) for x, hx, block in
+           (*row_operands, *step_operands)]
+    buffers = tuple(zip(stream_refs[:-1:2], stream_refs[1:-1:2]))
+    return rows.RowStream(tuple(ops[:len(row_operands)]), tuple(ops[len(row_operands):]),
+                          buffers, stream_refs[-1], visible, cfg.stream_across_rows)
 
 
-def _each_head_in_its_region(heads: int, head_step) -> None:
-    """Runs head_step(h) for h < heads, unrolled: Mosaic cannot prove a traced head's strided rows
-    tile-aligned. Each head runs in its own region (a condition that always holds, opaque to the
-    compiler), so its temporaries are freed before the next head's (unrolled inline, 8 heads of
-    1024 x 1024 tiles ran out of VMEM)."""
-    for h in range(heads):
-        pl.when(pl.program_id(0) >= 0)(functools.partial(head_step, h))
+def _stream_scratch(cfg: KernelConfig, dtype, operands) -> list:
+    """The scratch of `_row_stream` over operands [(Hx, block tokens)] of `dtype`."""
+    return rows.stream_scratch([(dtype, hx, block) for hx, block in operands], cfg.interpret)
 
 
-def head_rows(ref, head: int, heads: int, start: int, size: int, words: bool):
-    """Rows start..start+size of `head` from a [1, n * heads, 128] block whose row t * heads + head
-    belongs to token t and `head`: [size, 128] in the block's dtype.
-
-    One head (heads = 1) is a plain slice; 32-bit data a strided read. 16-bit data (heads even)
-    is read as 32-bit words (`words`, compiled): Mosaic does not read strided rows of a packed
-    type well (libtpu's profiler refuses the result's type), but a word holds rows 2r (low half)
-    and 2r + 1 (high half), so a strided word read gives this head's rows in one half. JAX's own
-    ragged paged attention reads its interleaved k/v heads this way. In interpret mode (which
-    has no ref bitcast) the rows are read strided directly."""
-    if heads == 1:
-        return ref[0, pl.ds(start, size), :]
-    if ref.dtype.itemsize == 4 or not words:
-        return ref[0, pl.ds(start * heads + head, size, stride=heads), :]
-    # (The block keeps its leading unit dim: Mosaic bitcasts no ref whose rank a squeezed dim
-    # changed.)
-    word_rows = ref.bitcast(jnp.uint32)
-    w = word_rows[0, pl.ds((start * heads + head) // 2, size, stride=heads // 2), :]
-    return halves_to_rows(w, head % 2, ref.dtype)
+def _rows_semantics(cfg: KernelConfig) -> tuple:
+    """The rows forward's grid (b, i, j) semantics: "arbitrary" throughout where the stream
+    fetches across q blocks, which needs the grid run in order (rows.RowStream); else the q
+    blocks split between cores."""
+    if cfg.stream_across_rows:
+        return ("arbitrary",) * 3
+    return ("parallel", "parallel", "arbitrary")
 
 
-def halves_to_rows(words, odd: int, dtype):
-    """The bfloat16 rows held in the low (odd = 0) or high (odd = 1) halves of uint32 words, as
-    [n, 128] `dtype` (float32 bit patterns with the low 16 bits cleared, then cast: exact)."""
-    bits = words & jnp.uint32(0xFFFF0000) if odd else words << 16
-    return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
+def _kv_blocks_seen(cfg: KernelConfig, bq: int, bkv: int, i):
+    """(lo, hi): the kv blocks q block i sees (causal: 0 to its last, none where it sees no
+    key), as a traced int32 range; lo > hi where empty."""
+    nkv = cfg.kv_len_padded // bkv
+    if not cfg.causal:
+        return jnp.int32(0), jnp.int32(nkv - 1)
+    last_key = (i + 1) * bq - 1 + cfg.offset
+    hi = jnp.where(last_key < 0, -1, jnp.minimum(lax.div(jnp.maximum(last_key, 0), bkv), nkv - 1))
+    return jnp.int32(0), hi
 
 
 def _rows_out(shape, dtype, rows: int, index_map, token_major: bool):
@@ -412,19 +417,17 @@ def flash_forward_rows(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
     seg_specs = [pl.BlockSpec(spec.block_shape, functools.partial(
         lambda index_map, bi, i, j: index_map(bi, 0, i, j), spec.index_map))
         for spec in seg_specs]
-    in_specs = [
-        pl.BlockSpec((1, bq * h, d), q_map),
-        pl.BlockSpec((1, bkv * hkv, d), kv_map),
-        pl.BlockSpec((1, bkv * hkv, d), kv_map),
-    ]
-    o_out = [jax.ShapeDtypeStruct(_rows_view(q).shape, q.dtype),
+    # q, k and v stay in HBM: the kernel fetches their blocks itself (rows.RowStream)
+    in_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 3
+    o_out = [jax.ShapeDtypeStruct(rows.rows_view(q).shape, q.dtype),
              pl.BlockSpec((1, bq * h, d), q_map)]
     lse_spec = pl.BlockSpec((None, h, 1, bq), lambda bi, i, j: (bi, 0, 0, i))
     scratch = _forward_scratch(cfg, (h,), v.dtype)
     scratch.append(pltpu.VMEM((bq * h, d), jnp.float32))  # o of every head, token-major
-    o, lse = _forward_call(cfg, _fwd_rows_kernel, grid, [_rows_view(x) for x in (q, k, v)],
+    scratch += _stream_scratch(cfg, q.dtype, [(h, bq), (hkv, bkv), (hkv, bkv)])
+    o, lse = _forward_call(cfg, _fwd_rows_kernel, grid, [rows.rows_view(x) for x in (q, k, v)],
                            in_specs, seg_specs, o_out, lse_spec, scratch,
-                           ("parallel", "parallel", "arbitrary"), q_seg, kv_seg)
+                           _rows_semantics(cfg), q_seg, kv_seg)
     return o.reshape(b, tp, h, d), lse
 
 
@@ -500,31 +503,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
     _dq_head(cfg, pl.program_id(2), pl.program_id(3),
              lambda: (q_ref[...], k_ref[...], v_ref[...], do_ref[...]), lse_ref, di_ref, dq_sc,
              write_dq, q_seg_ref, kv_seg_ref)
-
-
-def _dq_rows_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
-    """Rows of every head (as `_fwd_rows_kernel`): q, do [1, bq * H, 128], k, v
-    [1, bkv * Hkv, 128], lse, di [H, 1, bq]; grid (b, i, j); dq of every head gathered in float32
-    and stored once."""
-    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
-    dq_ref, dq_sc, gathered = refs
-    bq, bkv, h_q = cfg.block_q_dq, cfg.block_kv_dq, cfg.num_heads
-    i, j = pl.program_id(1), pl.program_id(2)
-
-    reader = _backward_rows_reader(cfg, q_ref, k_ref, v_ref, do_ref, bq, bkv)
-
-    def head_step(h: int):
-        def write_dq(dq):
-            gathered[pl.ds(h, bq, stride=h_q), :] = dq
-
-        _dq_head(cfg, i, j, reader(h), lse_ref.at[h], di_ref.at[h], dq_sc.at[h], write_dq,
-                 q_seg_ref, kv_seg_ref)
-
-    _each_head_in_its_region(h_q, head_step)
-
-    @pl.when(j == cfg.kv_len_padded // bkv - 1)
-    def _store():
-        dq_ref[0] = gathered[...].astype(dq_ref.dtype)
 
 
 def _backward_in_specs(bq: int, bkv: int, d: int, q_map, kv_map, row_map):
@@ -624,38 +602,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dkv_rows_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
-    """Rows of every head (as `_fwd_rows_kernel`); grid (b, j, i): each step adds every query
-    head's share to its kv head's dk, dv [Hkv, bkv, D] float32, which are gathered and stored
-    after the last q block."""
-    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
-    dk_ref, dv_ref, dk_sc, dv_sc, gathered = refs
-    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
-    h_q, h_kv = cfg.num_heads, cfg.num_kv_heads
-    j, i = pl.program_id(1), pl.program_id(2)
-
-    @pl.when(i == 0)
-    def _init():
-        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
-        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
-
-    reader = _backward_rows_reader(cfg, q_ref, k_ref, v_ref, do_ref, bq, bkv)
-
-    def head_step(h: int):
-        hk = h // cfg.group
-        _dkv_head(cfg, j, i, reader(h), lse_ref.at[h], di_ref.at[h], dk_sc.at[hk], dv_sc.at[hk],
-                  q_seg_ref, kv_seg_ref)
-
-    _each_head_in_its_region(h_q, head_step)
-
-    @pl.when(i == cfg.q_len_padded // bq - 1)
-    def _store():
-        for out_ref, acc_sc, scale in ((dk_ref, dk_sc, cfg.sm_scale), (dv_ref, dv_sc, 1.0)):
-            for n in range(h_kv):
-                gathered[pl.ds(n, bkv, stride=h_kv), :] = acc_sc[n] * scale
-            out_ref[0] = gathered[...].astype(out_ref.dtype)
-
-
 def _dkv_q_block(cfg: KernelConfig, j, i):
     """The q block the dk/dv kernels fetch at (kv block j, q step i): causal, the q blocks before
     the first one that sees kv block j are skipped by pointing them at it."""
@@ -712,92 +658,3 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
             interpret=cfg.interpret,
             name=name,
         )(*args)
-
-
-# The backward on the API's layout (plan's backward_reads_rows): every head per block, as the
-# rows forward.
-
-
-def _rows_view(x):
-    """[B, N, Hx, 128] -> [B, N * Hx, 128] rows (a free reshape)."""
-    b, n, hx, d = x.shape
-    return x.reshape(b, n * hx, d)
-
-
-def _rows_backward_call(cfg, kind, kernel, grid, q_side_map, kv_side_map, semantics, arrays,
-                        outs, scratch, q_seg, kv_seg):
-    """A rows backward kernel's pallas_call. q_side_map(*grid index) -> (b, q block) and
-    kv_side_map -> (b, kv block) place every block; arrays = q, k, v, do [B, N, Hx, 128] and
-    lse, di [B, H, 1, Tp]; outs [(x, block)]: outputs shaped as x, in (block * Hx)-row blocks."""
-    q, k, v, do, lse, di = arrays
-    h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
-    bq, bkv = (cfg.block_q_dq, cfg.block_kv_dq) if kind == "dq" else (cfg.block_q_dkv,
-                                                                          cfg.block_kv_dkv)
-
-    def placed(side_map, place):  # index map: place(b, block) at side_map's (b, block)
-        return lambda *g: place(*side_map(*g))
-
-    q_rows = placed(q_side_map, lambda b, block: (b, block, 0))
-    kv_rows = placed(kv_side_map, lambda b, block: (b, block, 0))
-    in_specs = [pl.BlockSpec((1, bq * h, d), q_rows), pl.BlockSpec((1, bkv * hkv, d), kv_rows),
-                pl.BlockSpec((1, bkv * hkv, d), kv_rows), pl.BlockSpec((1, bq * h, d), q_rows)]
-    in_specs += [pl.BlockSpec((None, h, 1, bq),
-                              placed(q_side_map, lambda b, block: (b, 0, 0, block)))] * 2
-    args = [_rows_view(x) for x in (q, k, v, do)] + [lse, di]
-    if cfg.has_segments:
-        in_specs += [pl.BlockSpec((None, 1, bq),
-                                  placed(q_side_map, lambda b, block: (b, 0, block))),
-                     pl.BlockSpec((None, 1, bkv),
-                                  placed(kv_side_map, lambda b, block: (b, 0, block)))]
-        args += [q_seg, kv_seg]
-    out_shape = [jax.ShapeDtypeStruct(_rows_view(x).shape, x.dtype) for x, _ in outs]
-    out_specs = [pl.BlockSpec((1, block * x.shape[2], d), q_rows if kind == "dq" else kv_rows)
-                 for x, block in outs]
-    name = _call_name(f"bwd_{kind}_rows", cfg, bq, bkv)
-    with jax.named_scope(name):
-        results = pl.pallas_call(
-            functools.partial(kernel, cfg=cfg),
-            out_shape=out_shape,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-            compiler_params=_compiler_params(cfg, semantics, cfg.backward_vmem_limit_bytes),
-            cost_estimate=cost_estimate(cfg, passes=2 if kind == "dq" else 3, arrays=args,
-                                        out_shape=out_shape),
-            interpret=cfg.interpret,
-            name=name,
-        )(*args)
-    return [r.reshape(x.shape) for r, (x, _) in zip(results, outs)]
-
-
-def flash_dq_rows(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
-    """dq [B, Tp, H, 128] in q's dtype from q, do [B, Tp, H, 128], k, v [B, Sp, Hkv, 128] and
-    lse, di [B, H, 1, Tp] float32 rows; every head per block (`_dq_rows_kernel`)."""
-    b, tp, h, d = q.shape
-    bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
-    head_q_map, head_kv_map, _ = _q_major_maps(cfg, bq, bkv)
-    (dq,) = _rows_backward_call(
-        cfg, "dq", _dq_rows_kernel, (b, tp // bq, cfg.kv_len_padded // bkv),
-        lambda bi, i, j: (bi, head_q_map(bi, 0, i, j)[2]),
-        lambda bi, i, j: (bi, head_kv_map(bi, 0, i, j)[2]),
-        ("parallel", "parallel", "arbitrary"), (q, k, v, do, lse, di), [(q, bq)],
-        [pltpu.VMEM((h, bq, d), jnp.float32), pltpu.VMEM((bq * h, d), jnp.float32)],
-        q_seg, kv_seg)
-    return dq
-
-
-def flash_dkv_rows(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
-    """(dk, dv) [B, Sp, Hkv, 128] in k's dtype, summed over each kv head's G query heads; inputs as
-    `flash_dq_rows`; every head per block (`_dkv_rows_kernel`)."""
-    b, sp, hkv, d = k.shape
-    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
-
-    q_block = functools.partial(_dkv_q_block, cfg)
-    return _rows_backward_call(
-        cfg, "dkv", _dkv_rows_kernel, (b, sp // bkv, cfg.q_len_padded // bq),
-        lambda bi, j, i: (bi, q_block(j, i)), lambda bi, j, i: (bi, j),
-        ("parallel", "parallel", "arbitrary"), (q, k, v, do, lse, di), [(k, bkv), (v, bkv)],
-        [pltpu.VMEM((hkv, bkv, d), jnp.float32), pltpu.VMEM((hkv, bkv, d), jnp.float32),
-         pltpu.VMEM((bkv * hkv, d), jnp.float32)],
-        q_seg, kv_seg)

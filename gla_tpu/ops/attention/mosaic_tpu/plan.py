@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gla_tpu.ops.attention.mosaic_tpu import rows
 from gla_tpu.ops.common.flops import attention_matmul_flops
 from gla_tpu.ops.common.tpu import LANES, SUBLANES, target_tpu_info, tpu_interpret_params
 
@@ -59,10 +60,10 @@ class BlockSizes:
         wherever it applies (D = 128; bfloat16 or float32; H and Hkv even or 1), its blocks fit
         70% of the chip's VMEM (block_q, block_kv halved down to 512 until they do) and, on two
         TensorCores, the split is even (causal: an even batch);
-        True where it applies; False never. (docs/attention_mosaic_tpu.md, "Layout").
-      backward_reads_rows: the same for the dq and dk/dv kernels, where the forward reads rows
-        (their own tiles halved to fit); None takes them on v5e and v5p only (measured there;
-        on v6e and 7x the backward stays head-major).
+        True where it applies; False never. (docs/attention_mosaic_tpu.md, "Layout"). Never
+        on a chip that cannot be queried (`target_tpu_info()` None outside interpret mode,
+        e.g. `jax.export` from a CPU host): there the head-major kernels at the
+        generation-independent defaults compile on every generation.
 
     Example:
       >>> BlockSizes(block_q=256, block_kv=512, block_kv_compute=256)  # doctest: +ELLIPSIS
@@ -79,7 +80,6 @@ class BlockSizes:
     vmem_limit_bytes: int | None = None
     row_sum_on_mxu: bool | None = None
     forward_reads_rows: bool | None = None
-    backward_reads_rows: bool | None = None
 
     def __post_init__(self):
         for name in _TILE_FIELDS:
@@ -111,12 +111,9 @@ class BlockSizes:
                 f"BlockSizes.row_sum_on_mxu must be None, True or False; got "
                 f"{self.row_sum_on_mxu!r}."
             )
-        for name in ("forward_reads_rows", "backward_reads_rows"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(
-                    f"BlockSizes.{name} must be None, True or False; got {value!r}."
-                )
+        if self.forward_reads_rows is not None and not isinstance(self.forward_reads_rows, bool):
+            raise ValueError(f"BlockSizes.forward_reads_rows must be None, True or False; got "
+                             f"{self.forward_reads_rows!r}.")
 
     @classmethod
     def default(cls, head_dim: int, mxu_width: int | None = None,
@@ -189,8 +186,9 @@ class KernelConfig:
     forward_vmem_limit_bytes: int | None  # the forward's: raised for the rows forward
     row_sum_on_mxu: bool  # forward: l from p @ [ones | v] (BlockSizes.row_sum_on_mxu)
     forward_reads_rows: bool  # forward on the API's layout (BlockSizes.forward_reads_rows)
-    backward_reads_rows: bool  # dq and dk/dv likewise (BlockSizes.backward_reads_rows)
-    backward_vmem_limit_bytes: int | None  # the rows backward's: raised
+    # the rows kernels fetch a row's first blocks during the previous row (one core runs the
+    # whole grid in order: rows.RowStream)
+    stream_across_rows: bool
     interpret: Any  # False or a pltpu.InterpretParams
 
     @property
@@ -262,9 +260,9 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         bkc = bkv
     row_sums = _row_sum_on_mxu(bs.row_sum_on_mxu, problem.dtype, problem.head_dim, info)
     vmem_limit = bs.vmem_limit_bytes
-    applies = rows_kernels and _rows_apply(problem)
+    # (not on a chip that cannot be queried: the safe defaults below are head-major)
+    applies = rows_kernels and _rows_apply(problem) and (info is not None or bool(interpret))
     reads_rows = applies and bs.forward_reads_rows is not False
-    back_rows = reads_rows and bs.backward_reads_rows is not False
     # The rows kernels hold every head's blocks: their tiles are halved until they fit VMEM.
     fit = functools.partial(_fit_rows_blocks, problem, row_sums=row_sums,
                             budget=None if info is None else
@@ -272,15 +270,14 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
     if info is not None and not (info.num_cores == 1 or not problem.causal
                                  or problem.batch % 2 == 0):
         # Two TensorCores (v4, v5p megacore) split a parallel grid axis: at batch 1 the rows
-        # kernels' q (dk/dv: kv) blocks, whose causal work is unequal, and libtpu's estimate of
-        # such a split does not show the slower core; the head-major kernels split over heads.
+        # forward's q blocks, whose causal work is unequal, and libtpu's estimate of such a
+        # split does not show the slower core; the head-major kernels split over heads.
         reads_rows = reads_rows and bs.forward_reads_rows is True
-        back_rows = back_rows and bs.backward_reads_rows is True
     if reads_rows and bs.forward_reads_rows is None:
         tiles = (bq, bkv, bkc)
         if default_forward_tiles:
             tiles = _forward_tiles_128_wide(problem, info, True, *tiles)
-        fitted = fit("fwd", *tiles)
+        fitted = fit(*tiles)
         reads_rows = fitted is not None
         if reads_rows:
             bq, bkv, bkc = fitted
@@ -289,27 +286,14 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
     if rows_kernels and not any(getattr(given, f) is not None for f in _BACKWARD_TILE_FIELDS):
         bq_dq, bkv_dq, bq_dkv, bkv_dkv = _backward_tiles_128_wide(
             problem, info, bq_dq, bkv_dq, bq_dkv, bkv_dkv)
-    back_rows = back_rows and reads_rows  # the backward reads the residuals the forward saved
-    if back_rows and bs.backward_reads_rows is None and info is not None:
-        back_rows = info.generation in _ROWS_BACKWARD_GENERATIONS
-    if back_rows and bs.backward_reads_rows is None:
-        fitted_dq, fitted_dkv = fit("dq", bq_dq, bkv_dq), fit("dkv", bq_dkv, bkv_dkv)
-        back_rows = fitted_dq is not None and fitted_dkv is not None
-        if back_rows:
-            (bq_dq, bkv_dq, _), (bq_dkv, bkv_dkv, _) = fitted_dq, fitted_dkv
-    # The rows kernels need more than the compiler's default scoped limit: half as much again as
-    # the model counts, within 75% of the chip's VMEM. The head-major ones keep the default (on
-    # v5e the backward's kernels estimated 10-20% slower under a 96 MiB limit).
-    need = functools.partial(rows_vmem_bytes, heads=problem.num_heads,
-                             kv_heads=problem.num_kv_heads, d=problem.head_dim,
-                             itemsize=jnp.dtype(problem.dtype).itemsize, row_sums=row_sums,
-                             segments=problem.has_segments)
-    limit = functools.partial(_rows_vmem_limit, info)
-    forward_vmem_limit = vmem_limit or (limit(need("fwd", bq, bkv, bkc)) if reads_rows
-                                        else None)
-    backward_vmem_limit = vmem_limit or (
-        limit(max(need("dq", bq_dq, bkv_dq, bkv_dq), need("dkv", bq_dkv, bkv_dkv, bkv_dkv)))
-        if back_rows else None)
+    # The rows forward needs more than the compiler's default scoped limit: half as much again
+    # as the model counts, within 75% of the chip's VMEM. The head-major kernels keep the
+    # default (on v5e the backward's kernels estimated 10-20% slower under a 96 MiB limit).
+    forward_vmem_limit = vmem_limit or (
+        _rows_vmem_limit(info, rows_vmem_bytes(
+            bq, bkv, bkc, problem.num_heads, problem.num_kv_heads, problem.head_dim,
+            jnp.dtype(problem.dtype).itemsize, row_sums, problem.has_segments))
+        if reads_rows else None)
     q_mult = math.lcm(bq, bq_dq, bq_dkv)
     kv_mult = math.lcm(bkv, bkv_dq, bkv_dkv)
     return KernelConfig(
@@ -322,10 +306,19 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         block_q=bq, block_kv=bkv, block_kv_compute=bkc, block_q_dq=bq_dq, block_kv_dq=bkv_dq,
         block_q_dkv=bq_dkv, block_kv_dkv=bkv_dkv, vmem_limit_bytes=vmem_limit,
         forward_vmem_limit_bytes=forward_vmem_limit,
-        backward_vmem_limit_bytes=backward_vmem_limit,
-        row_sum_on_mxu=row_sums, forward_reads_rows=reads_rows, backward_reads_rows=back_rows,
+        row_sum_on_mxu=row_sums, forward_reads_rows=reads_rows,
+        stream_across_rows=_one_core_in_order(info, interpret),
         interpret=tpu_interpret_params(interpret),
     )
+
+
+def _one_core_in_order(info, interpret) -> bool:
+    """Whether one core runs a kernel's whole grid in order: in interpret mode, and on chips of
+    one TensorCore per device (v5e, v6e, 7x); not on megacore chips (v4, v5p), which split the
+    parallel grid axes between two cores, nor on a chip not known."""
+    if interpret:
+        return True
+    return info is not None and info.num_cores == 1
 
 
 def _forward_tiles_128_wide(problem, info, reads_rows: bool, bq: int, bkv: int, bkc: int):
@@ -379,41 +372,33 @@ def _backward_tiles_128_wide(problem, info, *tiles):
 
 def _rows_apply(problem) -> bool:
     """Whether the rows kernels (`kernels.flash_forward_rows`, ...) take the problem: rows of
-    128 lanes (D = 128), and
-    each head's rows readable as strided 32-bit rows (float32; bfloat16 with an even head count,
-    read as words of two rows; one head)."""
+    128 lanes (D = 128), and each head's rows readable as strided 32-bit rows (float32;
+    bfloat16 with one head or an even count, read as words of two rows)."""
     if problem.head_dim != LANES:
         return False
     dtype = jnp.dtype(problem.dtype)
     if dtype == jnp.float32:
         return True
     return dtype == jnp.bfloat16 and all(
-        h == 1 or h % 2 == 0 for h in (problem.num_heads, problem.num_kv_heads))
+        rows.num_heads_ok(dtype, h) for h in (problem.num_heads, problem.num_kv_heads))
 
 
 # The rows kernels' blocks are not shrunk below this (to fit VMEM): smaller tiles than the
 # head-major defaults are unmeasured, and there the head-major kernel is taken.
 _ROWS_MIN_BLOCK = 512
-# Chips whose backward reads rows by default: v5e and v5p (128-wide MXUs). On v6e (and 7x, with
-# the same MXUs) libtpu's profiler runs out of VMEM on the rows backward at its 1024-tiles (it
-# compiles without the profiler), and at 512-tiles it estimated above the head-major backward at
-# 1024 (B1 H8 T4096 D128 causal fwd+bwd: 1,048,298 against 990,687 cycles), so there the
-# backward stays head-major, unmeasured otherwise.
-_ROWS_BACKWARD_GENERATIONS = (5,)
 # Their footprint (rows_vmem_bytes, which counts every block double-buffered) must fit
 # this share of the chip's VMEM, under a scoped limit of the second share.
 _ROWS_VMEM_SHARE = 0.7
 _ROWS_VMEM_LIMIT_SHARE = 0.75
 
 
-def _fit_rows_blocks(problem, kind: str, bq: int, bkv: int, bkc: int | None = None, *,
-                     row_sums: bool, budget: int | None):
-    """(block_q, block_kv, block_kv_compute) of the rows kernel `kind` ("fwd", "dq", "dkv")
-    within `budget` bytes of VMEM (None: any), halving the larger of the two blocks (not below
-    512); None if they do not fit."""
-    bkc = bkv if bkc is None else bkc
+def _fit_rows_blocks(problem, bq: int, bkv: int, bkc: int, *, row_sums: bool,
+                     budget: int | None):
+    """(block_q, block_kv, block_kv_compute) of the rows forward within `budget` bytes of VMEM
+    (None: any), halving the larger of the two blocks (not below 512); None if they do not
+    fit."""
     while True:
-        need = rows_vmem_bytes(kind, bq, bkv, bkc, problem.num_heads, problem.num_kv_heads,
+        need = rows_vmem_bytes(bq, bkv, bkc, problem.num_heads, problem.num_kv_heads,
                                problem.head_dim, jnp.dtype(problem.dtype).itemsize, row_sums,
                                problem.has_segments)
         if budget is None or need <= budget:
@@ -428,35 +413,28 @@ def _fit_rows_blocks(problem, kind: str, bq: int, bkv: int, bkc: int | None = No
 
 
 def _rows_vmem_limit(info, need: int) -> int | None:
-    """The scoped VMEM limit of a rows kernel whose model counts `need` bytes (None off a TPU)."""
+    """The scoped VMEM limit of the rows forward whose model counts `need` bytes (None off a
+    TPU)."""
     if info is None:
         return None
     cap = int(info.vmem_capacity_bytes * _ROWS_VMEM_LIMIT_SHARE)
     return min(cap, -(-need * 3 // 2 // 2**20) * 2**20)
 
 
-def rows_vmem_bytes(kind: str, bq: int, bkv: int, bkc: int, heads: int, kv_heads: int, d: int,
+def rows_vmem_bytes(bq: int, bkv: int, bkc: int, heads: int, kv_heads: int, d: int,
                     itemsize: int, row_sums: bool = False, segments: bool = False) -> int:
-    """VMEM of a rows kernel (every head per block, `kernels.flash_forward_rows`,
-    `flash_dq_rows`, `flash_dkv_rows`): double-buffered blocks of every head (q, k, v; the
-    backward's do too; the lse / di rows at 8 sublanes each), the outputs' blocks, the per-head
-    float32 state or accumulators, the outputs gathered in float32, and one head's temporaries
-    (the heads run one after another)."""
+    """VMEM of the rows forward (every head per block, `kernels.flash_forward_rows`): the two
+    buffers of every head's blocks of q, k and v it fetches (rows.RowStream), o's
+    double-buffered block, the lse rows (8 sublanes each), the per-head float32 state (m, l or
+    the MXU row sums' columns, acc), o gathered in float32, and one head's temporaries (the
+    heads run one after another)."""
     rows = lambda n: SUBLANES * n * 4  # noqa: E731  a [1, n] float32/int32 row block
     q_side, kv_side = bq * heads * d, bkv * kv_heads * d  # elements of all heads' rows
     seg = 2 * (rows(bq) + rows(bkv)) if segments else 0
-    if kind == "fwd":
-        io = 2 * (q_side + 2 * kv_side) * itemsize + 2 * q_side * itemsize + 2 * heads * rows(bq)
-        state = heads * bq * (2 * LANES + d) * 4  # m, l (or the MXU row sums' columns), acc
-        state += bkc * (LANES + d) * itemsize if row_sums else 0  # vx
-        return io + seg + state + q_side * 4 + bq * bkc * (2 * 4 + itemsize)
-    inputs = 2 * (2 * q_side + 2 * kv_side) * itemsize + 2 * 2 * heads * rows(bq)
-    temps = bq * bkv * (4 * 4 + itemsize)
-    if kind == "dq":
-        return inputs + seg + 2 * q_side * itemsize + 2 * q_side * 4 + temps
-    if kind == "dkv":
-        return inputs + seg + 2 * 2 * kv_side * itemsize + 3 * kv_side * 4 + temps
-    raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
+    io = 2 * (q_side + 2 * kv_side) * itemsize + 2 * q_side * itemsize + 2 * heads * rows(bq)
+    state = heads * bq * (2 * LANES + d) * 4
+    state += bkc * (LANES + d) * itemsize if row_sums else 0  # vx
+    return io + seg + state + q_side * 4 + bq * bkc * (2 * 4 + itemsize)
 
 
 def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,

@@ -19,9 +19,7 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.attention.mosaic_tpu.kernels import (
     flash_dkv,
-    flash_dkv_rows,
     flash_dq,
-    flash_dq_rows,
     flash_forward,
     flash_forward_rows,
 )
@@ -79,10 +77,6 @@ def _attention_bwd(cfg, residuals, do):
     with jax.named_scope("flash_bwd_di"):
         di = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Tp, H]
     di_rows = jnp.swapaxes(di, 1, 2)[:, :, None, :]  # [B, H, 1, Tp], as lse
-    if cfg.backward_reads_rows:  # q, k, v as given (the forward read rows too)
-        dq = flash_dq_rows(cfg, q, k, v, do, lse, di_rows, q_seg, kv_seg)
-        dk, dv = flash_dkv_rows(cfg, q, k, v, do, lse, di_rows, q_seg, kv_seg)
-        return dq, dk, dv, None, None
     qh, kh, vh = (_head_major(x) for x in (q, k, v)) if cfg.forward_reads_rows else (q, k, v)
     doh = _head_major(do)
     token_major = token_major_output(cfg)
