@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 
 import jax
 import numpy as np
@@ -117,3 +118,25 @@ def compile_sharded_for_tpu(fn, mesh: Mesh, *abstract_args, static_kwargs=None):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return jax.jit(lambda *args: fn(*args, **kwargs)).lower(*abstract_args).compile()
 
+
+
+_SCOPED_USED = re.compile(r'"used_scoped_memory_configs":\[\{[^\]]*?"size":"(\d+)"')
+_SCOPED_LIMIT = re.compile(r'"scoped_memory_configs":\[\{"memory_space":"1"'
+                           r'(?:,"offset":"(\d+)")?,"size":"(\d+)"')
+
+
+def scoped_vmem_bytes(compiled) -> dict:
+    """{kernel name: (bytes of scoped VMEM the compiler allocated to it, the scoped limit it
+    requested or None for the chip's default)} for the Pallas TPU kernels of a compiled program,
+    from its optimized HLO (the used region ends at `size`, counted from the start of VMEM; a
+    requested limit's region starts at its `offset`)."""
+    out = {}
+    for line in compiled.as_text().splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line or "custom-call(" not in line:
+            continue
+        name = line.split("=", 1)[0].strip().removeprefix("ROOT ").lstrip("%")
+        used, limit = _SCOPED_USED.search(line), _SCOPED_LIMIT.search(line)
+        if used:
+            offset = int(limit.group(1) or 0) if limit else 0
+            out[name] = (int(used.group(1)) - offset, int(limit.group(2)) if limit else None)
+    return out

@@ -5,8 +5,8 @@ docs/gla_mosaic_tpu_recurrent.md), through the public API, bfloat16 q, k, v (flo
 v4, v5e, v5p, v6e and 7x. Compiling runs the whole Mosaic compiler for the generation, VMEM budget
 included. A forward+backward program (jax.grad of the sum of the squared outputs, whose gradient
 needs the outputs' values, so no forward kernel is dropped as dead code) runs the forward kernels
-in its forward pass and so compiles them too: forward-only programs are compiled only where no
-backward exists (the decode step).
+in its forward pass; an inference-only forward is another program (the attention forward saves
+no residuals there), so the attention configurations compile forward-only too.
 
 The default run compiles every configuration on at least one generation and every generation on
 every kernel family (the pairs below); `pytest --full` compiles every configuration on every
@@ -56,6 +56,9 @@ ATTENTION = {
     "b2_t1000_s1300_h8_hkv1_d64_causal_segments": (2, 1000, 1300, 8, 1, 64, True, True),
     # the longest grid: T = S = 32768
     "t32768_d128_causal_gqa8": (1, 32768, 32768, 8, 1, 128, True, False),
+    # many heads at D = 128 (every head per block of the rows forward: its VMEM grows with H)
+    "b2_t4096_h32_d128_causal": (2, 4096, 4096, 32, 32, 128, True, False),
+    "b1_t4096_h64_d128_full": (1, 4096, 4096, 64, 64, 128, False, False),
     # the forward on the API's layout (every head per block) with padding, segments, GQA 4:1
     "b2_t1000_s1300_h8_hkv2_d128_causal_segments": (2, 1000, 1300, 8, 2, 128, True, True),
 }
@@ -76,6 +79,8 @@ ATTENTION_DEFAULT = {
     "b2_t1000_s1300_h8_hkv1_d64_causal_segments": ("v4",),
     "t32768_d128_causal_gqa8": ("v6e",),
     "b2_t1000_s1300_h8_hkv2_d128_causal_segments": ("v5p",),
+    "b2_t4096_h32_d128_causal": ("v5e", "v6e"),
+    "b1_t4096_h64_d128_full": ("7x",),
 }
 
 
@@ -91,8 +96,9 @@ def _attention_default(name):
     return (generation,)
 
 
+@pytest.mark.parametrize("passes", ["fwd_bwd", "fwd"])
 @pytest.mark.parametrize("name,generation", _sweep(ATTENTION, _attention_default))
-def test_attention_compiles(name, generation):
+def test_attention_compiles(name, generation, passes):
     b, t, s, h, hkv, d, causal, segments = ATTENTION[name]
     args = [jax.ShapeDtypeStruct((b, t, h, d), BF16), jax.ShapeDtypeStruct((b, s, hkv, d), BF16),
             jax.ShapeDtypeStruct((b, s, hkv, d), BF16)]
@@ -103,7 +109,7 @@ def test_attention_compiles(name, generation):
         return ops.flash_attention(q, k, v, causal=causal, segment_ids=tuple(seg) or None,
                                    backend="mosaic_tpu")
 
-    fn = _grad_of_sum(forward, (0, 1, 2))
+    fn = _grad_of_sum(forward, (0, 1, 2)) if passes == "fwd_bwd" else forward
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
@@ -199,7 +205,7 @@ def test_backward_tiles_128_wide(generation, d, dtype, causal, segments, expecte
 # block_kv_compute that does not divide a block_kv set by hand gives way to one step.
 @pytest.mark.parametrize("generation,d,causal,sizes,expected", [
     ("v6e", 128, True, dict(row_sum_on_mxu=False), (1024, 1024, 1024, 1024, 1024)),
-    ("v5e", 128, False, dict(backward_reads_rows=False), (1024, 1024, 512, 512, 512)),
+    ("v5e", 128, False, dict(vmem_limit_bytes=64 * 2**20), (1024, 1024, 512, 512, 512)),
     ("v5e", 128, False, dict(block_q=512), (512, 512, 512, 512, 512)),
     ("v5e", 256, True, dict(block_kv=384), (1024, 384, 384, 512, 512)),
     ("v5e", 256, True, dict(block_q_dq=256), (1024, 1024, 256, 256, 512)),

@@ -172,6 +172,7 @@ class KernelConfig:
     kv_len: int  # S, unpadded
     q_len_padded: int  # Tp
     kv_len_padded: int  # Sp
+    itemsize: int  # bytes of an element of q, k, v
     causal: bool
     sm_scale: float
     has_segments: bool
@@ -301,6 +302,7 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         head_dim=problem.head_dim, q_len=problem.q_len, kv_len=problem.kv_len,
         q_len_padded=-(-problem.q_len // q_mult) * q_mult,
         kv_len_padded=-(-problem.kv_len // kv_mult) * kv_mult,
+        itemsize=jnp.dtype(problem.dtype).itemsize,
         causal=problem.causal, sm_scale=float(problem.sm_scale),
         has_segments=problem.has_segments,
         block_q=bq, block_kv=bkv, block_kv_compute=bkc, block_q_dq=bq_dq, block_kv_dq=bkv_dq,
@@ -437,34 +439,64 @@ def rows_vmem_bytes(bq: int, bkv: int, bkc: int, heads: int, kv_heads: int, d: i
     return io + seg + state + q_side * 4 + bq * bkc * (2 * 4 + itemsize)
 
 
-def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
-                        *, block_kv_compute: int | None = None, segments: bool = False) -> int:
-    """VMEM footprint of one kernel from its block sizes (docs/attention_mosaic_tpu.md).
+# Mosaic's own temporaries per element of a kernel's score tile ([bq, bkc] forward, [bq, bkv]
+# backward), in bytes: the largest of what the compiler allocated beyond the pipelined blocks and
+# the scratch over 83 compiled kernels (v4, v5e, v6e; D 64 to 256; bfloat16 and float32;
+# causal, segment ids; tiles 256 to 1024), so that `vmem_estimate_bytes` bounds its count
+# (docs/attention_mosaic_tpu.md, "VMEM footprint").
+_TEMP_BYTES_PER_SCORE = {"fwd": 12, "dq": 10, "dkv": 14}
 
-    Counts double-buffered input/output blocks, scratch, and the float32 [block_q, block_kv]
-    temporaries the body keeps live (s, p, dp, ds) plus p's cast to the input dtype. A [1, n] row
-    occupies 8 sublanes. Mosaic may reuse temporaries, so this is an upper-bound-style estimate.
-    """
+
+def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
+                        *, block_kv_compute: int | None = None, segments: bool = False,
+                        row_sum_on_mxu: bool = False) -> int:
+    """Scoped VMEM of one head-major kernel ("fwd", "dq", "dkv") from its tiles: every
+    pipelined block twice (double-buffered; a [1, n] float32 / int32 row block takes n words),
+    the scratch, and Mosaic's temporaries (`_TEMP_BYTES_PER_SCORE` per score element). An upper
+    bound of the compiler's count, 1.0-3x it where measured (tests/backends/
+    test_tpu_vmem_model.py pins it against compiled kernels)."""
     bq, bkv, d = block_q, block_kv, head_dim
-    rows = lambda n: SUBLANES * n * 4  # noqa: E731  a [1, n] float32/int32 row block
-    seg = 2 * (rows(bq) + rows(bkv)) if segments else 0
+    seg = 2 * (bq + bkv) * 4 if segments else 0
     if kind == "fwd":
         bkc = block_kv_compute or bkv
-        io = 2 * (bq * d + 2 * bkv * d) * itemsize + 2 * (bq * d * itemsize + rows(bq))
-        scratch = 2 * bq * LANES * 4 + bq * d * 4
-        temps = bq * bkc * (2 * 4 + itemsize)
-    elif kind == "dq":
-        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq) + 2 * bq * d * itemsize
-        scratch = bq * d * 4
-        temps = bq * bkv * (4 * 4 + itemsize)
-    elif kind == "dkv":
-        io = 2 * (2 * bq * d + 2 * bkv * d) * itemsize + 2 * 2 * rows(bq)
-        io += 2 * 2 * bkv * d * itemsize
-        scratch = 2 * bkv * d * 4
-        temps = bq * bkv * (4 * 4 + itemsize)
+        # q, k, v in; o and the lse row out
+        io = 2 * (bq + 2 * bkv) * d * itemsize + 2 * (bq * d * itemsize + bq * 4)
+        if row_sum_on_mxu:  # m, [l | acc], vx = [ones | v]
+            scratch = bq * LANES * 4 + bq * (LANES + d) * 4 + bkc * (LANES + d) * itemsize
+        else:  # m, l, acc
+            scratch = 2 * bq * LANES * 4 + bq * d * 4
+        tile = bq * bkc
+    elif kind in ("dq", "dkv"):
+        # q, do, k, v and the lse and di rows in
+        io = 2 * (2 * bq + 2 * bkv) * d * itemsize + 2 * 2 * bq * 4
+        if kind == "dq":  # dq out, its float32 accumulator
+            io += 2 * bq * d * itemsize
+            scratch = bq * d * 4
+        else:  # dk, dv out, their float32 accumulators
+            io += 2 * 2 * bkv * d * itemsize
+            scratch = 2 * bkv * d * 4
+        tile = bq * bkv
     else:
         raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
-    return io + scratch + temps + seg
+    return io + seg + scratch + _TEMP_BYTES_PER_SCORE[kind] * tile
+
+
+def kernel_vmem_bytes(cfg: KernelConfig, kind: str) -> int:
+    """The scoped VMEM the plan counts for kernel `kind` ("fwd", "dq", "dkv") of `cfg`: the
+    rows forward's model (`rows_vmem_bytes`) where the forward reads rows, else
+    `vmem_estimate_bytes`."""
+    itemsize = cfg.itemsize
+    if kind == "fwd" and cfg.forward_reads_rows:
+        return rows_vmem_bytes(cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.num_heads,
+                               cfg.num_kv_heads, cfg.head_dim, itemsize, cfg.row_sum_on_mxu,
+                               cfg.has_segments)
+    tiles = {"fwd": (cfg.block_q, cfg.block_kv), "dq": (cfg.block_q_dq, cfg.block_kv_dq),
+             "dkv": (cfg.block_q_dkv, cfg.block_kv_dkv)}
+    if kind not in tiles:
+        raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
+    return vmem_estimate_bytes(kind, *tiles[kind], cfg.head_dim, itemsize,
+                               block_kv_compute=cfg.block_kv_compute,
+                               segments=cfg.has_segments, row_sum_on_mxu=cfg.row_sum_on_mxu)
 
 
 def cost_estimate(cfg: KernelConfig, *, passes: int, arrays, out_shape) -> pl.CostEstimate:
