@@ -61,7 +61,7 @@ class Task:
     @property
     def seq_len(self) -> int:
         """Model input length (the full sequence less its last token)."""
-        return 2 * (self.num_pairs + self.num_queries) - 1
+        return (self.num_pairs + self.num_queries) * 2 - 1
 
 
 def make_batch(rng: np.random.Generator, task: Task, batch: int):

@@ -10,8 +10,8 @@ gradients) is compared with cuDNN's; a candidate that fails to compile (shared m
 errors) or disagrees is recorded with an error and skipped for "best".
 
 ratio_vs_cudnn = cuDNN ms / our ms (1.0 = as fast as cuDNN; the targets are >= 0.75 forward,
->= 0.6 forward+backward). Timing is bench/gpu_side_by_side.py's time_jax (compile, 2 warm-up
-calls, 5 repeats of 10 calls with one sync each, median / min / max per call).
+>= 0.6 forward+backward). Timing is bench/gpu_side_by_side.py's time_jax (compile, 3 warm-up
+calls, 7 repeats of 50 calls with one sync each, median / min / max per call).
 
 --budget-s bounds the whole sweep (compile time included): each (shape, part) section gets an
 equal share of the time left, unused time rolls over, and no candidate starts if the average cost

@@ -45,7 +45,9 @@ def plot_shapes(records, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timed = [r for r in records if r.get("ms_median") is not None and r["op"] != "gla_kernel"]
+    # the breakdown parts' kernels alone are left out: their times are parts of the totals
+    timed = [r for r in records
+             if r.get("ms_median") is not None and r["op"] not in ("gla_kernel", "gla_pair_kernel")]
     modes = sorted({r["mode"] for r in timed})
     shapes = list(dict.fromkeys(str(tuple(r["shape"])) for r in timed))
     impls = sorted({r["impl"] for r in timed})

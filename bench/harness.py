@@ -73,6 +73,20 @@ def environment() -> dict[str, Any]:
     }
 
 
+class Progress:
+    """The "[n/N]" counter a long run prints at the head of each measured program's line."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.done = 0
+
+    def step(self, programs: int = 1) -> str:
+        """Counts `programs` more as done (a line that stands for several, e.g. a peer refused
+        before its modes are timed) and returns the counter."""
+        self.done += programs
+        return f"[{self.done}/{self.total}]"
+
+
 def write_json(path: str, records: list[dict]) -> None:
     import os
 

@@ -16,7 +16,8 @@ Parts:
          on), against the same step on one device; random tokens.
 Inputs: q, k, v ~ N(0, 1) in bfloat16, GLA gates logsigmoid(N(0, 1)) per key (fla's op benchmark
 draw), named in every record. Timing: bench/harness.py's time_jitted (warmup, one
-block_until_ready per batch of iterations, median of repeats).
+block_until_ready per batch of iterations, median of repeats). Each measured program prints one
+line as it ends, counted "[n/N]" over the run.
 
 Usage (on the machine with the devices):
   python bench/scale_out.py --part batch --part cp --out OUT
@@ -25,6 +26,7 @@ Usage (on the machine with the devices):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -38,13 +40,24 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from bench.harness import environment, format_table, peak_memory_bytes, time_jitted  # noqa: E402
-from bench.harness import write_json  # noqa: E402
+from bench.harness import Progress, environment, format_table, peak_memory_bytes  # noqa: E402
+from bench.harness import time_jitted, write_json  # noqa: E402
 from gla_tpu import ops  # noqa: E402
 from gla_tpu.ops.common.flops import attention_flops, gla_flops  # noqa: E402
 
 GATE = "logsigmoid(N(0,1))"
 _DEVICES = None  # the devices used (--devices)
+BATCH_IMPLS = ("sharding= (shard_map)", "plain jit on sharded inputs", "one device")
+LM_IMPLS = ("lm.apply(sharding=P('data', 'seq'))", "one device")
+
+
+@dataclasses.dataclass
+class Log:
+    """The run's records, the JSON they are rewritten to after each one, and the counter."""
+
+    records: list
+    path: str
+    progress: Progress
 
 
 def _devices():
@@ -78,28 +91,29 @@ def _place(arrays, dtypes, sharding):
     return [jax.device_put(jnp.asarray(a, d), sharding) for a, d in zip(arrays, dtypes)]
 
 
-def _record(records, path, **rec):
-    records.append(rec)
-    write_json(path, records)
+def _record(log, **rec):
+    log.records.append(rec)
+    write_json(log.path, log.records)
     ms = rec.get("ms_median")
-    print(f"{rec['part']:6s} {rec['op']:10s} {rec['impl']:28s} devices={rec['devices']} "
+    print(f"{log.progress.step()} {rec['part']:6s} {rec['op']:10s} {rec['impl']:28s} "
+          f"devices={rec['devices']} "
           f"{rec['shape']} {'-' if ms is None else f'{ms:.3f} ms'} "
           f"{rec.get('error', '')[:100]}", flush=True)
 
 
-def _time(records, path, fn, args, *, flops, devices, **rec):
+def _time(log, fn, args, *, flops, devices, **rec):
     try:
         t = time_jitted(fn, *args, warmup=2, iters=5, repeats=5)
         mem = [peak_memory_bytes(d) for d in devices]
-        _record(records, path, ms_median=t.median_ms, ms_min=t.min_ms, ms_max=t.max_ms,
+        _record(log, ms_median=t.median_ms, ms_min=t.min_ms, ms_max=t.max_ms,
                 tflops_per_device=flops / (t.median_ms * 1e-3) / 1e12 / len(devices),
                 peak_bytes_per_device=mem, devices=len(devices), **rec)
     except Exception as e:  # a variant that fails is recorded, the others still run
-        _record(records, path, ms_median=None, devices=len(devices),
+        _record(log, ms_median=None, devices=len(devices),
                 error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", **rec)
 
 
-def bench_batch(records, path, env, backend, t=4096):
+def bench_batch(log, env, backend, t=4096):
     devices = _devices()
     n = len(devices)
     mesh = Mesh(np.array(devices), ("data",))
@@ -115,20 +129,30 @@ def bench_batch(records, path, env, backend, t=4096):
         ("gla", _gla_loss, [q, k, v, g, ct], [bf, bf, bf, jnp.float32, jnp.float32],
          (0, 1, 2, 3), gla_flops(b, t, h, d, d, backward=True)),
     ]
+    # BATCH_IMPLS: the op told its sharding, plain jit on the same sharded inputs, one device
+    runs = [(split, split, devices), (None, split, devices), (None, one, devices[:1])]
     for op, make_loss, arrays, dtypes, argnums, flops in cases:
         common = dict(part="batch", op=op, shape=[b, t, h, d], backend=backend, gate=GATE,
                       env=env, flops=flops)
-        _time(records, path, _grads(make_loss(split, backend), argnums),
-              _place(arrays, dtypes, split), devices=devices, impl="sharding= (shard_map)",
-              **common)
-        _time(records, path, _grads(make_loss(None, backend), argnums),
-              _place(arrays, dtypes, split), devices=devices,
-              impl="plain jit on sharded inputs", **common)
-        _time(records, path, _grads(make_loss(None, backend), argnums),
-              _place(arrays, dtypes, one), devices=devices[:1], impl="one device", **common)
+        for impl, (op_sharding, placement, devs) in zip(BATCH_IMPLS, runs):
+            _time(log, _grads(make_loss(op_sharding, backend), argnums),
+                  _place(arrays, dtypes, placement), devices=devs, impl=impl, **common)
 
 
-def bench_context_parallel(records, path, env, backend, lengths):
+def _cp_runs(t_local, n):
+    """[(impl, T)] of the context-parallel part at T per device t_local on n devices."""
+    runs = [("one device", t_local),  # weak scaling's baseline
+            ("context parallel (weak)", t_local * n),
+            ("context parallel (strong)", t_local)]
+    return runs if n > 1 else runs[:1]
+
+
+def _ring_runs(t_local, n):
+    """[(impl, T)] of the ring part at T per device t_local on n devices."""
+    return [("one device", t_local), ("one device", t_local * n), ("ring attention", t_local * n)]
+
+
+def bench_context_parallel(log, env, backend, lengths):
     devices = _devices()
     n = len(devices)
     b, h, kd = 1, 16, 128
@@ -137,24 +161,20 @@ def bench_context_parallel(records, path, env, backend, lengths):
     split = NamedSharding(mesh, P(None, "seq"))
     one = NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())
     for t_local in lengths:
-        runs = [("one device", t_local, one, devices[:1]),  # weak scaling's baseline
-                ("context parallel (weak)", t_local * n, split, devices),
-                ("context parallel (strong)", t_local, split, devices)]
-        for impl, t, sharding, devs in runs:
-            if n == 1 and impl != "one device":
-                continue
+        for impl, t in _cp_runs(t_local, n):
+            sharding, devs = (one, devices[:1]) if impl == "one device" else (split, devices)
             q, k, v, ct = _inputs([(b, t, h, kd)] * 4)
             g = np.log(1.0 / (1.0 + np.exp(-_inputs([(b, t, h, kd)], seed=1)[0])))
             args = _place([q, k, v, g, ct], [bf, bf, bf, jnp.float32, jnp.float32], sharding)
             loss = _gla_loss(sharding if len(devs) > 1 else None, backend)
-            _time(records, path, _grads(loss, (0, 1, 2, 3)), args, devices=devs, impl=impl,
+            _time(log, _grads(loss, (0, 1, 2, 3)), args, devices=devs, impl=impl,
                   part="cp", op="gla", shape=[b, t, h, kd, kd], backend=backend, gate=GATE,
                   env=env, flops=gla_flops(b, t, h, kd, kd, backward=True),
                   t_local=t // len(devs))
             del args
 
 
-def bench_ring(records, path, env, backend, lengths):
+def bench_ring(log, env, backend, lengths):
     devices = _devices()
     n = len(devices)
     b, h, d = 1, 16, 128
@@ -162,14 +182,12 @@ def bench_ring(records, path, env, backend, lengths):
     split = NamedSharding(Mesh(np.array(devices), ("seq",)), P(None, "seq"))
     one = NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())
     for t_local in lengths:
-        runs = [("one device", t_local, one, devices[:1]),
-                ("one device", t_local * n, one, devices[:1]),
-                ("ring attention", t_local * n, split, devices)]
-        for impl, t, sharding, devs in runs:
+        for impl, t in _ring_runs(t_local, n):
+            sharding, devs = (one, devices[:1]) if impl == "one device" else (split, devices)
             q, k, v, ct = _inputs([(b, t, h, d)] * 4)
             args = _place([q, k, v, ct], [bf, bf, bf, jnp.float32], sharding)
             loss = _attention_loss(sharding if len(devs) > 1 else None, backend)
-            _time(records, path, _grads(loss, (0, 1, 2)), args, devices=devs, impl=impl,
+            _time(log, _grads(loss, (0, 1, 2)), args, devices=devs, impl=impl,
                   part="ring", op="attention", shape=[b, t, h, d], backend=backend,
                   inputs="q, k, v ~ N(0,1)", env=env,
                   flops=attention_flops(b, t, t, h, d, causal=True, backward=True),
@@ -177,8 +195,7 @@ def bench_ring(records, path, env, backend, lengths):
             del args
 
 
-def bench_lm_step(records, path, env, backend, t, d_model, num_layers, attention="gla",
-                  vocab=4096):
+def bench_lm_step(log, env, backend, t, d_model, num_layers, attention="gla", vocab=4096):
     import optax
 
     from gla_tpu.layers import block, lm, training
@@ -207,15 +224,15 @@ def bench_lm_step(records, path, env, backend, t, d_model, num_layers, attention
         return step
 
     flops = 6 * lm.num_params(params) * b * t  # dense layers only, the usual estimate
-    runs = [("lm.apply(sharding=P('data', 'seq'))", NamedSharding(mesh, P("data", "seq")),
+    runs = [(LM_IMPLS[0], NamedSharding(mesh, P("data", "seq")),
              NamedSharding(mesh, P()), NamedSharding(mesh, P("data")), devices),
-            ("one device", None, *[NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())] * 2,
+            (LM_IMPLS[1], None, *[NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())] * 2,
              devices[:1])]
     for impl, sharding, replicated, token_sharding, devs in runs:
         placed = jax.device_put(params, replicated)
         args = (placed, jax.device_put(tx.init(params), replicated),
                 jax.device_put(tokens, token_sharding))
-        _time(records, path, make_step(sharding), args, flops=flops, devices=devs, impl=impl,
+        _time(log, make_step(sharding), args, flops=flops, devices=devs, impl=impl,
               part="lm", op=f"{attention}_lm_step", shape=[b, t, d_model, num_layers],
               backend=backend, env=env, mesh=[data, n // data],
               gate="the model's (logsigmoid / 16)" if attention != "softmax" else None)
@@ -242,24 +259,36 @@ def main(argv=None):
     _DEVICES = jax.devices()[: args.devices] if args.devices else jax.devices()
     env = environment()
     env["devices"] = [str(d) for d in _devices()]
-    records, path = [], os.path.join(args.out, f"{args.tag}.json")
+    n = len(_devices())
+    cp_lengths = [int(x) for x in args.cp_lengths.split(",")]
+    ring_lengths = [int(x) for x in args.ring_lengths.split(",")]
+    programs = {  # per part, from the same run lists its function walks
+        "batch": 2 * len(BATCH_IMPLS),  # flash attention and GLA
+        "cp": sum(len(_cp_runs(t, n)) for t in cp_lengths),
+        "ring": sum(len(_ring_runs(t, n)) for t in ring_lengths),
+        "lm": len(LM_IMPLS),
+    }
+    log = Log(records=[], path=os.path.join(args.out, f"{args.tag}.json"),
+              progress=Progress(sum(programs[part] for part in args.part)))
+    print(f"{log.progress.total} programs on {n} devices", flush=True)
     for part in args.part:
+        start = log.progress.done
         try:
             if part == "batch":
-                bench_batch(records, path, env, args.backend, args.batch_t)
+                bench_batch(log, env, args.backend, args.batch_t)
             elif part == "ring":
-                bench_ring(records, path, env, args.backend,
-                           [int(x) for x in args.ring_lengths.split(",")])
+                bench_ring(log, env, args.backend, ring_lengths)
             elif part == "lm":
                 t, d_model, layers, *kind = args.lm.split(",")
-                bench_lm_step(records, path, env, args.backend, int(t), int(d_model),
-                              int(layers), *kind)
+                bench_lm_step(log, env, args.backend, int(t), int(d_model), int(layers), *kind)
             else:
-                lengths = [int(x) for x in args.cp_lengths.split(",")]
-                bench_context_parallel(records, path, env, args.backend, lengths)
-        except Exception:
+                bench_context_parallel(log, env, args.backend, cp_lengths)
+        except Exception as e:  # the other parts still run; the traceback says what failed
             traceback.print_exc()
-    rows = [dict(r, shape=str(tuple(r["shape"]))) for r in records]
+            left = programs[part] - (log.progress.done - start)
+            print(f"{log.progress.step(left)} {part}: {left} programs not measured: "
+                  f"{type(e).__name__}", flush=True)
+    rows = [dict(r, shape=str(tuple(r["shape"]))) for r in log.records]
     print(format_table(rows, ["part", "op", "impl", "devices", "shape", "ms_median",
                               "tflops_per_device", "error"]))
 

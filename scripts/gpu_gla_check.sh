@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine (docs/gpu_backend.md, "Commands"): the GPU tests of the GLA
-# files, then each pair-level kernel alone and the totals at issue 14's four shapes, then the
-# side by side with jax-linear-attention and fla. Everything goes into ONE archive,
-# $OUT/gla_check.tgz (the device tool returns at most 8 files), plus its summary,
-# $OUT/gla_check.txt. Each step has its own time limit, so a slow one cannot eat the rest.
+# One call on the lent GPU machine (docs/gpu_gla.md, "Commands"): the GPU tests of the GLA
+# files, then each pair-level kernel alone and ours forward and forward+backward at the four
+# GLA_SHAPES of bench/gpu_side_by_side.py, then the side by side with jax-linear-attention and
+# fla. Everything goes into ONE archive, $OUT/gla_check.tgz (the device tool returns at most 8
+# files), plus its summary, $OUT/gla_check.txt. Each step has its own time limit, so a slow one
+# cannot eat the rest.
 #
 #   bash scripts/gpu_gla_check.sh tests      # about 5 minutes
 #   bash scripts/gpu_gla_check.sh kernels    # 4 shapes, up to 130 s each
@@ -45,26 +46,29 @@ if [[ ",$parts," == *",tests,"* ]]; then
   tail -n 3 "$work/tests.log" >> "$summary"
 fi
 if [[ ",$parts," == *",kernels,"* ]]; then
-  for shape in 4,4096,16,128,128 8,2048,4,256,512 8,2048,16,64,64 2,16384,8,128,128; do
-    step "kernels_${shape//,/_}" 130 python3 bench/gpu_gla_pair_levels.py --shape "$shape" \
-      --gates fla --parts check,kernels,total --out "$work" --tag "kernels_${shape//,/_}"
+  for index in 0 1 2 3; do
+    step "kernels_$index" 130 python3 bench/gpu_side_by_side.py --part breakdown_pair_levels \
+      --part gla --ours-only --gla-shapes "$index" --gates fla --out "$work" \
+      --tag "kernels_$index"
   done
 fi
-# the BlockSizes options that are not the default; "default" again last, to see the drift.
-# OPTION_PARTS, SIZES_K256, SIZES_K128 override what runs (bench/gpu_gla_pair_levels.py's
-# --parts and --sizes)
-option_parts="${OPTION_PARTS:-check,total}"
-sizes_k256="${SIZES_K256:-default;mosaic_group_sums=float32;mosaic_state_parts=2;mosaic_output_parts=2;default}"
-sizes_k128="${SIZES_K128:-default;mosaic_block_v=32;mosaic_state_parts=2;mosaic_output_parts=2}"
+# the BlockSizes options that are not the default, each checked against and timed beside ours as
+# shipped; "default" again last, to see the drift. OPTION_PARTS, SIZES_K256, SIZES_K128 override
+# what runs (bench/gpu_side_by_side.py's --part values, comma-separated, and --gla-sizes)
+option_list="${OPTION_PARTS:-gla}"
+option_parts=()
+for part in ${option_list//,/ }; do option_parts+=(--part "$part"); done
+sizes_k256="${SIZES_K256:-mosaic_group_sums=float32;mosaic_state_parts=2;mosaic_output_parts=2;default}"
+sizes_k128="${SIZES_K128:-mosaic_block_v=32;mosaic_state_parts=2;mosaic_output_parts=2}"
 if [[ ",$parts," == *",options,"* || ",$parts," == *",options_k256,"* ]]; then
-  step options_k256 330 python3 bench/gpu_gla_pair_levels.py --shape 8,2048,4,256,512 \
-    --gates fla --parts "$option_parts" --out "$work" --tag options_k256 --sizes "$sizes_k256"
+  step options_k256 330 python3 bench/gpu_side_by_side.py "${option_parts[@]}" --ours-only \
+    --gla-shapes 1 --gates fla --out "$work" --tag options_k256 --gla-sizes "$sizes_k256"
 fi
 if [[ ",$parts," == *",options,"* || ",$parts," == *",options_k128,"* ]]; then
-  for shape in 4,4096,16,128,128 2,16384,8,128,128; do
-    step "options_${shape//,/_}" 130 python3 bench/gpu_gla_pair_levels.py --shape "$shape" \
-      --gates fla --parts "$option_parts" --out "$work" --tag "options_${shape//,/_}" \
-      --sizes "$sizes_k128"
+  for index in 0 3; do
+    step "options_$index" 130 python3 bench/gpu_side_by_side.py "${option_parts[@]}" \
+      --ours-only --gla-shapes "$index" --gates fla --out "$work" --tag "options_$index" \
+      --gla-sizes "$sizes_k128"
   done
 fi
 # "side" runs both halves in one call, which fits only once fla's autotuning is cached (_tc/);

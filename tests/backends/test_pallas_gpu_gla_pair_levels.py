@@ -1,7 +1,7 @@
 """The pair-level Mosaic GPU kernels of the "pallas_gpu" GLA (per-key gates, forward and backward;
 BlockSizes(chunk_kernel="mosaic_gpu")): the decomposition itself, parity in GPU interpret mode on
 CPU, lowering for a Hopper target, what they refuse; parity on a CUDA GPU under marker gpu at
-every gate distribution of docs/gpu_backend.md."""
+every gate distribution of docs/gpu_gla.md ("Current numbers")."""
 
 from __future__ import annotations
 
@@ -114,10 +114,11 @@ def test_options_lower_to_mosaic_kernels():
     assert gla_lowered_kernels(sizes, q, v, g, s0) == ((2, 0), (4, 0))
 
 
-# bench/gpu_gla_pair_levels.py's variants configure the state passes as ops.gla does (its GPU
-# timings are of the same programs): the defaults, then the other settings.
+# bench/gpu_side_by_side.py's --gla-sizes variants configure the state passes of its
+# breakdown_pair_levels part as ops.gla does (its GPU timings are of the same programs): the
+# defaults, then the other settings.
 def test_pair_level_bench_configures_the_state_passes_as_ops_gla():
-    from bench.gpu_gla_pair_levels import kernel_stages, parse_sizes
+    from bench.gpu_side_by_side import kernel_stages, pair_level_geometry, parse_sizes
     from gla_tpu.ops.gla.pallas_gpu import plan, vjp
 
     variants = parse_sizes("default;mosaic_group_sums=float32,mosaic_state_parts=2")
@@ -126,6 +127,7 @@ def test_pair_level_bench_configures_the_state_passes_as_ops_gla():
         geo = plan.chunk_geometry(2048, 256, 512, scale=1 / 16, has_segments=False,
                                   exact_inter=False, mosaic_chunk=True, batch=8, heads=4,
                                   block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", **sizes))
+        assert pair_level_geometry((8, 2048, 4, 256, 512), sizes) == geo
         inference, training, reversed_ = vjp.state_passes(geo)
         assert (training.groups, training.sums_16bit, training.store_parts) == (
             2, sums_16bit, stored)
@@ -269,7 +271,7 @@ def test_interpret_parity_per_head_and_no_gate(case):
                      interpret=True, block_sizes=PAIR_LEVELS)
 
 
-# The gate distributions of docs/gpu_backend.md: logsigmoid(N(0,1)) (fla's benchmark draw), the
+# The gate distributions of docs/gpu_gla.md: logsigmoid(N(0,1)) (fla's benchmark draw), the
 # same / 16 (fla's GLA layer default), logsigmoid(N(0,1) - 3), and about -800 a token; T up to 4096
 # and not a multiple of the chunk, K and V 64 and 128, float16, initial states, T = 1; K = 256 with
 # V = 512, and K = 512 (four groups of keys) with V = 192 at strong gates.
