@@ -2,11 +2,12 @@
 
 A user pays a program's compile at every new shape, restart and eval program, so it is part of
 a kernel's speed. For each (implementation, shape, generation, pass) a child process builds the
-program of `bench.tpu_static` (the same programs its cycle estimates profile), then times
-`jax.jit(f).lower(...)` and `.compile()` for one core of the generation (the deviceless compile
-of gla_tpu.testing, no profiler), `--repeats` times with a new function object each time, and
-reports the fastest: seconds of wall time on this host, whose CPU is slower than a TPU host's,
-so ratios to JAX's kernel are what carries over.
+program of `bench.tpu_static` (the same programs its cycle estimates profile), compiles a small
+program first (libtpu's one-time start-up), then times `jax.jit(f).lower(...)` and `.compile()`
+once for one core of the generation (the deviceless compile of gla_tpu.testing, no profiler).
+Each program is measured in `--repeats` fresh processes (within one, libtpu caches a kernel it
+has compiled) and the fastest is reported: seconds of wall time on this host, whose CPU is slower
+than a TPU host's, so ratios to JAX's kernel are what carries over.
 
     python -m bench.tpu_compile_time --out DIR [--generations v5e,v6e] [--heads 8,16,32,64]
                                      [--head-dims 64,128,256] [--passes fwd,fwd_bwd]
@@ -39,47 +40,51 @@ def _label(impl: str, options: tuple) -> str:
     return impl + "".join(f" {k}={v}" for k, v in options)
 
 
-def _child(spec: Spec, repeats: int) -> None:
-    """Builds `spec`'s program and prints the fastest lower and compile seconds as JSON."""
+def _child(spec: Spec) -> None:
+    """Builds `spec`'s program, compiles a warm-up program, and prints the seconds of one lower
+    and compile of `spec`'s as JSON."""
     import jax
+    import jax.numpy as jnp
 
     from bench.tpu_static import _program
-    from gla_tpu.testing.tpu_compile import _single_device_sharding, targeting
+    from gla_tpu.testing.tpu_compile import _single_device_sharding, compile_for_tpu, targeting
 
+    compile_for_tpu(lambda x: x * 2, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                    generation=spec.generation)
     fn, args = _program(spec)
     sharding = _single_device_sharding(spec.generation)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    lowers, compiles = [], []
-    for _ in range(repeats):
-        with targeting(spec.generation):
-            start = time.perf_counter()
-            lowered = jax.jit(lambda *xs: fn(*xs)).lower(*placed)
-            middle = time.perf_counter()
-            lowered.compile()
-            end = time.perf_counter()
-        lowers.append(middle - start)
-        compiles.append(end - middle)
-    best = min(range(repeats), key=lambda n: lowers[n] + compiles[n])
-    print(json.dumps({"lower_s": lowers[best], "compile_s": compiles[best],
-                      "total_s": lowers[best] + compiles[best]}))
+    with targeting(spec.generation):
+        start = time.perf_counter()
+        lowered = jax.jit(fn).lower(*placed)
+        middle = time.perf_counter()
+        lowered.compile()
+        end = time.perf_counter()
+    print(json.dumps({"lower_s": middle - start, "compile_s": end - middle,
+                      "total_s": end - start}))
 
 
 def measure(spec: Spec, repeats: int, timeout: int) -> dict:
-    """The record of `spec`: its fastest lower, compile and total seconds, or the error."""
+    """The record of `spec`: the lower, compile and total seconds of its fastest child (all
+    totals in `totals_s`), or the error."""
     cmd = [sys.executable, "-m", "bench.tpu_compile_time", "--child",
-           json.dumps(dataclasses.asdict(spec)), "--repeats", str(repeats)]
+           json.dumps(dataclasses.asdict(spec))]
     record = dataclasses.asdict(spec)
     record.update(key=spec.key, label=_label(spec.impl, spec.options))
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                             cwd=pathlib.Path(__file__).resolve().parents[1],
-                             env=_child_env())
-    except subprocess.TimeoutExpired:
-        return dict(record, error=f"timeout after {timeout} s")
-    if run.returncode:
-        lines = [ln for ln in run.stderr.strip().splitlines() if "Error" in ln]
-        return dict(record, error=(lines or ["failed"])[-1][:300])
-    return dict(record, error=None, **json.loads(run.stdout.strip().splitlines()[-1]))
+    runs = []
+    for _ in range(repeats):
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                 cwd=pathlib.Path(__file__).resolve().parents[1],
+                                 env=_child_env())
+        except subprocess.TimeoutExpired:
+            return dict(record, error=f"timeout after {timeout} s")
+        if run.returncode:
+            lines = [ln for ln in run.stderr.strip().splitlines() if "Error" in ln]
+            return dict(record, error=(lines or ["failed"])[-1][:300])
+        runs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    best = min(runs, key=lambda r: r["total_s"])
+    return dict(record, error=None, totals_s=[r["total_s"] for r in runs], **best)
 
 
 def _child_env() -> dict:
@@ -102,7 +107,8 @@ def write_table(records: list[dict], path: pathlib.Path, env: dict) -> None:
     for r in records:
         groups.setdefault((r["generation"], r["passes"], tuple(r["shape"])), {})[r["label"]] = r
     peers = [_label(i, o) for i, o in IMPLS[1:]]
-    lines = [f"Compile seconds (lower + compile, fastest of the repeats), {env['date']}, "
+    lines = [f"Compile seconds (lower + compile, fastest of {env['repeats']} processes), "
+             f"{env['date']}, "
              f"jax {env.get('jax')}, libtpu {env.get('libtpu')}; (B, H, T, D, causal).", "",
              "| gen | pass | shape | ours | " + " | ".join(peers) + " | ours / JAX's: "
              + " / ".join(p.split(" ", 1)[1] if " " in p else "default" for p in peers) + " |",
@@ -138,7 +144,7 @@ def main(argv=None) -> None:
         raw = json.loads(args.child)
         raw["shape"] = tuple(raw["shape"])
         raw["options"] = tuple(tuple(o) for o in raw["options"])
-        _child(Spec(**raw), args.repeats)
+        _child(Spec(**raw))
         return
     specs = specs_for(args.generations.split(","), [int(h) for h in args.heads.split(",")],
                       [int(d) for d in args.head_dims.split(",")], args.passes.split(","),
@@ -153,7 +159,8 @@ def main(argv=None) -> None:
         print(f"[{n}/{len(specs)}] {spec.key}: "
               f"{f'{seconds:.2f} s' if seconds is not None else record['error']}", flush=True)
     env = {"date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
-           "host_cpus": _cpu_count()}
+           "host_cpus": _cpu_count(), "repeats": args.repeats,
+           "command": "python -m bench.tpu_compile_time " + " ".join(argv or sys.argv[1:])}
     from importlib.metadata import version
     env.update({p: version(p) for p in ("jax", "jaxlib", "libtpu")})
     (out / f"{args.name}.json").write_text(json.dumps({"env": env, "records": records},
