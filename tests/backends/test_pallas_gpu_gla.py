@@ -26,7 +26,7 @@ from gla_tpu.testing.gpu_lowering import gla_lowered_kernels, hopper_target
 from gla_tpu.testing.problems import GLACase, make_gla_inputs
 from gla_tpu.testing.tolerance import relative_rms_error
 
-# jax 0.11.2 deprecates the Pallas Triton lowering (docs/gpu_backend.md says why we still use it);
+# jax 0.11.2 deprecates the Pallas Triton lowering (docs/gpu_gla.md says where it still runs);
 # the warning is raised at every lowering, which this strict environment would turn into errors.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -194,7 +194,7 @@ def test_gpu_triton_parity_bf16(case):
 
 
 # The Mosaic GPU forward ("auto" takes it on Hopper for a call that is not differentiated) at every
-# gate distribution of docs/gpu_backend.md, T up to 4096 and not a multiple of the chunk, K 64 and
+# gate distribution of docs/gpu_gla.md, T up to 4096 and not a multiple of the chunk, K 64 and
 # 128, V up to 512, float16, initial states. These shapes have few blocks, so "auto" splits T
 # (forward_mosaic.py); splits=1 runs the one kernel alone.
 MOSAIC_GPU_CASES = [

@@ -29,7 +29,7 @@ from gla_tpu.testing.strategies import budget, gla_cases
 from gla_tpu.testing.tolerance import assert_pass_rule, relative_rms_error
 
 # jax 0.11.2 deprecates the Pallas Triton lowering that pallas_gpu's GLA kernels use
-# (docs/gpu_backend.md); the warning comes at every lowering, which the strict filter would fail.
+# (docs/gpu_gla.md); the warning comes at every lowering, which the strict filter would fail.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 

@@ -24,7 +24,7 @@ def chunk_local_cumsum(g, chunk_size: int, *, method: str = "cumsum"):
       g: [B, T, H] or [B, T, H, K] log gates, T a multiple of chunk_size.
       method: "cumsum" (XLA's cumulative sum) or "triangular" (one float32 product with a
         lower-triangular matrix of ones on the matrix units, which GPUs and TPUs run faster than
-        a cumsum; docs/gpu_backend.md, docs/gla_mosaic_tpu.md).
+        a cumsum; docs/gpu_gla.md, docs/gla_mosaic_tpu.md).
     Returns:
       same shape, float32: b[t] = sum of g over [chunk_start(t), t].
     """

@@ -33,7 +33,7 @@ def accurate_precision(input_dtype):
     """Precision of a float32 product whose result enters a cancelling sum (the GPU GLA's dg): for
     16-bit inputs the split bfloat16 products (about 2^-16 relative, enough next to bfloat16
     inputs); for float32 inputs the IEEE fp32 path (the split's 2^-16 is too coarse for dg's
-    float32 bound, docs/gpu_backend.md)."""
+    float32 bound, docs/gpu_gla.md)."""
     return HIGHEST if jnp.dtype(input_dtype) == jnp.float32 else SPLIT_BF16
 
 

@@ -6,7 +6,7 @@ specialization) of kernels_mosaic_forward.py and kernels_mosaic_backward.py take
 where they apply, since they are the faster ones there; both forwards write the same o and lse,
 which either backward consumes. Ring attention's block gradients (float32) stay on Triton.
 This module pads and picks the kernels and block sizes (plan.py); vjp.py wires the kernels.
-docs/gpu_backend.md explains the choices and the measured speed.
+docs/gpu_attention.md explains the choices and the measured speed.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ blocks every row sees take no mask. Rows that see no key (lse = 0 from the forwa
 masked) give zero gradients. Keys at or past the true S are masked in dq; their dk/dv rows are
 sliced away by the caller. With segment ids each side keeps its rows' ids and streams the other
 side's beside its tiles, and every block is masked. Head dims 64, 128 and 256, bfloat16 / float16
-(plan.mosaic_backward_unsupported_reason); docs/gpu_backend.md has the measurements.
+(plan.mosaic_backward_unsupported_reason); docs/gpu_attention.md has the measurements.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Causal masking is bottom-right (key j visible to query i iff j <= i + S - T); ke
 true S are masked. With segment ids each consumer holds its rows' ids and the producer streams the
 key blocks' ids beside K and V; every block is then masked. float32 and head dims other than
 64 / 128 / 256 take the Triton forward (plan.mosaic_forward_unsupported_reason).
-docs/gpu_backend.md has the design and the measurements.
+docs/gpu_attention.md has the design and the measurements.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tiling plan of the GPU flash attention: block sizes, which forward kernel runs, the geometry
 every kernel shares, and the Mosaic GPU forward's tiles with their shared-memory check
-(docs/gpu_backend.md says how the defaults were measured).
+(docs/gpu_attention.md, "Block sizes", says how the defaults were measured).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ SPLIT_DKV_ROLES_FROM_HEAD_DIM = 256
 
 def splits_dkv_roles(head_dim: int) -> bool:
     """Whether the Mosaic GPU dk/dv kernel splits dk and dv between its consumers at this head
-    dim (docs/gpu_backend.md)."""
+    dim (docs/gpu_attention.md, "Mosaic GPU backward")."""
     return head_dim >= SPLIT_DKV_ROLES_FROM_HEAD_DIM
 
 
@@ -256,7 +256,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
         sizes = BlockSizes(128, 64, 128, 32, 32, 128, num_warps=4, num_warps_dq=4,
                            num_warps_dkv=4, num_stages=3, num_stages_bwd=3)
     elif head_dim <= 128:
-        # the best of a sweep on a GPU (docs/gpu_backend.md): forward 128x128, 8 warps,
+        # the best of a sweep on a GPU (docs/gpu_attention.md): forward 128x128, 8 warps,
         # 3 stages; both backward kernels 64x64 with 4 warps, 2 stages
         sizes = BlockSizes(128, 128, 64, 64, 64, 64, num_warps=8, num_warps_dq=4,
                            num_warps_dkv=4, num_stages=3, num_stages_bwd=2)
@@ -277,9 +277,10 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
 
 
 # "auto" leaves short sequences at head dim 128 to the Triton forward, faster there on an H100
-# (2026-11-23, docs/gpu_backend.md): T = S = 512 full 0.228 against 0.246 ms; T = S = 1024 full
-# 0.370 against 0.432, causal 0.262 against 0.269; from T = S = 2048 on the Mosaic one wins
-# (0.275 against 0.336 full). Not measured at other head dims, which keep the Mosaic forward.
+# (2026-11-23, docs/results/history_gpu.md): T = S = 512 full 0.228 against 0.246 ms;
+# T = S = 1024 full 0.370 against 0.432, causal 0.262 against 0.269; from T = S = 2048 on the
+# Mosaic one wins (0.275 against 0.336 full). Not measured at other head dims, which keep the
+# Mosaic forward.
 AUTO_TRITON_FORWARD_MAX_LEN = 1024
 AUTO_TRITON_FORWARD_HEAD_DIM = 128
 

@@ -1,10 +1,11 @@
 """Entry of the "pallas_gpu" GLA backend: what it takes, and the call.
 
-Every mode runs the chunked kernels (docs/gpu_backend.md says why: "fused_chunk" and
+Every mode runs chunked kernels (docs/gpu_gla.md, "Which kernels run": "fused_chunk" and
 "fused_recurrent" compute the same function and the chunked path is the fastest correct one
-written for the GPU); a few tokens without segments run the token-by-token forward. This module
-pads T, K and V, broadcasts gates to [B, T, H, K] float32 and builds the segment masks in XLA;
-vjp.py wires the kernels, plan.py holds the tiles.
+written for the GPU): on Hopper the pair-level Mosaic GPU kernels where they apply, else the
+Triton ones; a few tokens without segments run the token-by-token forward. This module pads T,
+K and V, prepares the gates (segment ids as reset gates for the pair-level kernels) and builds
+the segment masks in XLA; vjp.py wires the kernels, plan.py holds the tiles.
 """
 
 from __future__ import annotations

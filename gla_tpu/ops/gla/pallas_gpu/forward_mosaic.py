@@ -13,7 +13,7 @@ for 132 SMs), T is cut into P segments that run side by side as P times the batc
 
 The first pass reads k, v and the gates and does one wgmma per chunk of the second's four, so the
 split costs about a third more work in exchange for P times the blocks; o is computed once, as
-without the split. plan.mosaic_time_splits picks P (docs/gpu_backend.md).
+without the split. plan.mosaic_time_splits picks P (docs/gpu_gla.md).
 """
 
 from __future__ import annotations

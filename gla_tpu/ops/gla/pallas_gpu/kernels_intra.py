@@ -1,6 +1,6 @@
 """Pallas (Triton lowering) kernels of the intra-chunk GLA products on GPU (no autodiff in here).
 
-Notation of docs/gla_math.md and docs/gpu_backend.md: chunk length C, sub-chunk length
+Notation of docs/gla_math.md and docs/gpu_gla.md: chunk length C, sub-chunk length
 c = SUB_CHUNK = 16, b = chunk-local running sum of the log gate g (computed outside, float32,
 [B, T, H, K]), B_n = b at the last token of chunk n, h_n the [K, V] state entering chunk n.
 Per-head and absent
@@ -383,7 +383,7 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, da_t_ref, v_ref, do_ref, 
     # Inter-chunk products over V blocks: do h_n^T and v dh_{n+1}^T [R, BK] with the states
     # rounded to the input dtype (as in chunk_output and chunk_dv), and sum_V h_n dh_{n+1} [1, BK]
     # on the stored ones (float32: with bfloat16 ones, dg at T = 1 with an initial state fails the
-    # pass rule, docs/gpu_backend.md).
+    # pass rule, docs/results/history_gpu.md, 2026-11-22).
     def over_v(vb, acc):
         dq, dk, hdh = acc
         vs = pl.ds(vb * bv, bv)
@@ -438,7 +438,7 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, da_t_ref, v_ref, do_ref, 
     dk_ref[...] = dk_inter + dk_intra + own * q
 
     # dg_t = sum_{s >= t} x_s + sum_{s < t} y_s + keep exp(B) sum_V h_n dh_{n+1}, with
-    # x = q dq - k dk_intra and y = k dk_inter over the chunk's tokens s (docs/gpu_backend.md
+    # x = q dq - k dk_intra and y = k dk_inter over the chunk's tokens s (docs/gpu_gla.md
     # derives it; no sum runs across chunks and no term cancels another). x leaves out each
     # token's pair with itself (dA_tt q_t k_t in both q dq and k dk): it cancels exactly in
     # theory, and in float32 it would leave a rounding error of the size of q k dA where, under

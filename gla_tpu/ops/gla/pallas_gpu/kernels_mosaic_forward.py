@@ -17,7 +17,7 @@ that the inter-chunk product keeps float32 accuracy at the cost of one more smal
 
 The forward only: training takes the chunked kernels (vjp.py), whose backward needs the saved
 per-chunk states. Segment ids, float32 and K above 128 take them too (plan.mosaic_forward_reason).
-docs/gpu_backend.md has the design and the measurements.
+docs/gpu_gla.md has the design and the measurements.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ the sum of the groups' outs). One block walks its head's groups one after anothe
 chunks: group g adds its out to the float32 sum of the groups before it, which group g - 1 wrote
 to a scratch output and TMA reads back (in float32, or in the input dtype: Pass.sums_16bit), and
 the last group writes the sum in the input dtype.
-So no float32 partial outputs per group leave the kernel for XLA to add (docs/gpu_backend.md,
-"Key groups summed in the state passes").
+So no float32 partial outputs per group leave the kernel for XLA to add (docs/gpu_gla.md;
+measured: docs/results/history_gpu.md, "key groups summed inside the state passes").
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
     if p.state_term and len(h_parts) != p.term_parts:
         raise ValueError(f"{len(h_parts)} parts of h for Pass.term_parts={p.term_parts}")
     # the state term's first chunk from h_first (a 16-bit part alone there rounds an initial
-    # state that dg at a few tokens depends on; docs/gpu_backend.md, "One stored part of h")
+    # state that dg at a few tokens depends on; docs/gpu_gla.md, "What the training pass stores")
     exact_first = p.state_term and p.term_parts == 1 and h_first is not None
     h_names = ("h_hi", "h_lo")[:p.term_parts]
     # a block walks its head's key groups one after another; each group's out is added to the

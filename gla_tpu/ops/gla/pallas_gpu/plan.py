@@ -1,5 +1,5 @@
 """Tiling plan of the GPU GLA kernels: tile sizes (user-tunable through BlockSizes), the padded
-head dims, and the static geometry every kernel shares (docs/gpu_backend.md says how the defaults
+head dims, and the static geometry every kernel shares (docs/gpu_gla.md says how the defaults
 were measured)."""
 
 from __future__ import annotations
@@ -56,20 +56,19 @@ class BlockSizes:
         after another in a block, each adding its outputs (o, or dv) to the sum of the groups
         before it, which goes through global memory: "input" (the input dtype; the default:
         half the bytes of "float32" for one more rounding of a partial sum), or "float32"
-        (docs/gpu_backend.md, "Key groups' partial sums in 16 bits").
+        (docs/gpu_gla.md, "Block sizes").
       mosaic_block_v: value columns per block of the pair-level state passes: 64, or 32 (twice
-        the blocks, two to an SM; slower on an H100 at K = 128: docs/gpu_backend.md,
-        "32-column value tiles").
+        the blocks, two to an SM; slower on an H100 at K = 128: docs/gpu_gla.md,
+        "Block sizes").
       mosaic_state_parts: 16-bit parts of h per chunk that the differentiated forward stores for
         the backward's state term: 1 (hi alone; the default: the state term's first chunk of
         each row or time segment takes the float32 state entering it), or 2 (hi and lo, twice
-        the bytes written and read back; docs/gpu_backend.md, "One stored part of h").
+        the bytes written and read back; docs/gpu_gla.md, "Block sizes").
       mosaic_output_parts: 16-bit parts of the state that the pair-level state passes' outputs
         take, o = qd h + A v forward and dv = kd dh + A^T do reversed: 1 (hi alone, the state
         rounded to the input dtype as XLA's chunked baseline rounds it; the default: one product
         and one rounding fewer per chunk, the forward 2-10% faster), or 2 (hi and lo, the
-        float32 state's accuracy; docs/gpu_backend.md, "One part of the state in the
-        outputs").
+        float32 state's accuracy; docs/gpu_gla.md, "Block sizes").
     """
 
     block_v: int | None = None
@@ -155,7 +154,7 @@ def compiler_params(geo: ChunkGeometry):
 
 def value_block(value_dim: int) -> int:
     """V tile: 128 from V = 256 on (the state passes, output and dv run faster than with 64 there;
-    docs/gpu_backend.md has the measurement), else 64 (more programs for the state passes' chunk
+    docs/gpu_gla.md has the measurement), else 64 (more programs for the state passes' chunk
     loop)."""
     return 128 if value_dim >= 256 else 64
 
@@ -168,7 +167,7 @@ def chunk_geometry(padded_len: int, key_dim: int, value_dim: int, *, scale: floa
     "fused_recurrent") keeps dq's and dk's products with the float32 states float32-accurate, as
     that mode's XLA baseline is a float32 recurrence; modes "chunk" and "fused_chunk" round the
     states to the input dtype there, as XLA's chunked baseline and fla's chunk_gla do
-    (docs/gpu_backend.md)."""
+    (docs/gpu_gla.md)."""
     block_v = min(block_sizes.block_v or value_block(value_dim), value_dim)
     num_chunks = -(-padded_len // CHUNK)
     splits = 1
@@ -197,7 +196,7 @@ MIN_SEGMENT_CHUNKS = 4  # a segment of the split Mosaic GPU forward has at least
 
 def mosaic_time_splits(blocks: int, num_chunks: int) -> int:
     """Segments of T for the Mosaic GPU forward: doubled while twice the blocks still fit in one
-    wave over the SMs and a segment keeps MIN_SEGMENT_CHUNKS chunks (docs/gpu_backend.md)."""
+    wave over the SMs and a segment keeps MIN_SEGMENT_CHUNKS chunks (docs/gpu_gla.md)."""
     sms, splits = gpu_sm_count(), 1
     while blocks * splits * 2 <= sms and num_chunks // (splits * 2) >= MIN_SEGMENT_CHUNKS:
         splits *= 2

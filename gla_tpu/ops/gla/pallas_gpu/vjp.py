@@ -3,7 +3,7 @@
 Forward: the chunk-local gate sums b (a triangular product), the state pass, the intra-chunk
 scores and the outputs. Backward: the reversed state pass, dA, then dq, dk, dg and dv. The gate
 gradient comes from dL/db_t = q_t dq_t - k_t dk_t summed backwards within the chunk plus what
-later chunks add through h_{n+1}, rewritten so that no two terms cancel (docs/gpu_backend.md
+later chunks add through h_{n+1}, rewritten so that no two terms cancel (docs/gpu_gla.md
 derives it; kernels_intra.chunk_dqk computes it). A few tokens without segments run the
 token-by-token forward (decoding) with the chunked backward.
 """
