@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gla_tpu.ops.common import backends
+from gla_tpu.ops.common.gates import floor_log_gates
 from gla_tpu.ops.common.sharding import resolve_sharding, sharded_call
 from gla_tpu.ops.gla import context_parallel
 from gla_tpu.ops.gla.validation import validate_gla
@@ -82,6 +83,7 @@ def gla(
         output_final_state=output_final_state, segment_ids=segment_ids, mode=mode,
         chunk_size=chunk_size,
     )
+    g = floor_log_gates(g)  # -inf (a hard reset) and gates below -100 act as -100
     module, block_sizes = backends.dispatch("gla", "gla", backend, problem, block_sizes)
     chunk = module.CAPABILITIES.default_chunk_size(problem.key_dim)
     problem = problem.with_chunk_size(chunk)

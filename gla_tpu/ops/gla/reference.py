@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gla_tpu.ops.common.gates import floor_log_gates
 from gla_tpu.ops.common.segments import segment_index, token_keeps
 from gla_tpu.ops.gla.validation import validate_gla
 
@@ -28,7 +29,7 @@ def _prepare(q, k, v, g, scale, initial_state, output_final_state, segment_ids):
     if g is None:
         g = jnp.zeros((b, t, h, 1), jnp.float64)
     else:
-        g = jnp.asarray(g, jnp.float64)
+        g = floor_log_gates(jnp.asarray(g, jnp.float64))  # -inf: a hard reset
         if g.ndim == 3:
             g = g[..., None]  # [B, T, H, 1] broadcasts over K
     if initial_state is not None:
