@@ -64,9 +64,9 @@ ATTENTION = {
 }
 # The sweep: D x causal at T = S = 2048, H=8, Hkv=1 (GQA 8:1), B=2. Every T from 1024 up takes the
 # same tiles (blocks are capped at 1024, docs/attention_mosaic_tpu.md), so T only lengthens the
-# grid: the sweep ran at T = 32768 too until the default run needed the time (2026-11-25, later
-# session; T = 8192 until 2026-11-23), as did B2 T4096 H8 Hkv2 D64 non-causal and B1 T4096 H8 D256
-# causal, the same kernels at another GQA group.
+# grid and one T covers it ("t32768_d128_causal_gqa8" above takes the longest grid); another GQA
+# group runs the same kernels too. Until 2026-11-25 the sweep also ran at T = 32768 (at T = 8192
+# until 2026-11-23), with B2 T4096 H8 Hkv2 D64 non-causal and B1 T4096 H8 D256 causal.
 ATTENTION.update({
     f"t2048_d{d}_{'causal' if causal else 'full'}_gqa8": (2, 2048, 2048, 8, 1, d, causal, False)
     for d in (64, 128, 256) for causal in (True, False)})
