@@ -151,7 +151,7 @@ def _our_attention_blocks(opts: dict):
     """Our BlockSizes from a spec's ("blocks", [[field, value], ...]) or ("defaults_with", ...)
     option (both the same): the fields given, every other one None, i.e. the op's default for the
     generation and the problem; None = defaults. Older records read these options otherwise
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md, "TPU: libtpu's static cycle estimate")."""
     from gla_tpu.ops.attention.mosaic_tpu import plan
 
     fields = opts.get("defaults_with", opts.get("blocks"))
@@ -164,7 +164,7 @@ def _attention_backward_program(spec: Spec):
     (and at D = 64 their outputs' transposes).
     libtpu's profiler aborts on our kernels where XLA places their outputs in VMEM, as it does
     inside a whole forward+backward program; here the kernels' outputs are the program's
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md, "What the profiler cannot take")."""
     import jax
     import jax.numpy as jnp
 
@@ -270,8 +270,8 @@ def _inside_projections(spec: Spec, fn, args):
     (x @ w).reshape, JAX flash_attention's [B, H, T, D] ones transposed after that, float32 ones
     (GLA's log gates) as log_sigmoid of the product. In a forward+backward program the output
     [B, T, H, V] is projected back to M too, as a training step's loss sees it. The option
-    ("inside_projections", True) asks for it (docs/benchmarks.md, "Inside projections"); for
-    attention, forward programs only (`Spec` refuses the others)."""
+    ("inside_projections", True) asks for it (docs/results/history_tpu.md, "Inside
+    projections"); for attention, forward programs only (`Spec` refuses the others)."""
     import jax
     import jax.numpy as jnp
 
@@ -306,7 +306,7 @@ def _inside_projections(spec: Spec, fn, args):
 
 # Where the profiler takes our chunked GLA forward+backward (gated) only with
 # BlockSizes(profiler_safe=True): the same values, about 0.5% more cycles on v6e
-# (docs/benchmarks.md, "GLA forward+backward on v5e and v5p").
+# (docs/results/history_tpu.md, "GLA forward+backward on v5e and v5p").
 PROFILER_SAFE_GENERATIONS = ("v5e", "v5p")
 
 

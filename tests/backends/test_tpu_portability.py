@@ -1,6 +1,7 @@
 """TPU programs built where the chip cannot be queried, exported from a CPU host, and compiled in
-a time comparable to JAX's own kernel (libtpu, deviceless; docs/attention_mosaic_tpu.md,
-"Layout", and docs/benchmarks.md, "Compile time").
+a time comparable to JAX's own kernel (libtpu, deviceless; docs/attention_mosaic_tpu.md, "A chip
+that cannot be queried", and docs/benchmarks.md, "TPU flash attention: compile time and estimated
+cycles (2026-11-28)").
 
 Where `pltpu.get_tpu_info()` fails (a deviceless compile outside the chip's mesh context,
 `jax.export` for "tpu" from a CPU host) the ops take tiles and scoped-VMEM requests that fit every
@@ -100,7 +101,8 @@ def _seconds_to_compile(fn, args, generation: str, repeats: int = 2) -> float:
 def test_attention_compiles_within_3x_of_jax_flash_attention():
     """Forward+backward at B2 T4096 H32 D128, causal, on v5e: our program's compile against JAX's
     `flash_attention` at blocks 512 on the same shape, in this process (the host's speed
-    cancels). Unrolled per head, ours took 50-200x (docs/benchmarks.md, "Compile time")."""
+    cancels). Unrolled per head, ours took 50-200x (docs/results/history_tpu_attention.md,
+    2026-11-28)."""
     from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 
     blocks = jax_flash.BlockSizes(

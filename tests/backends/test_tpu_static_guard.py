@@ -1,5 +1,5 @@
 """A regression guard on TPU speed without a TPU: libtpu's static cycle estimate of one attention
-and one GLA program (bench/tpu_static.py) must not grow by more than 10% over the values recorded
+and one GLA program (`bench.tpu_static`) must not grow by more than 10% over the values recorded
 in docs/results/tpu_static_guard.json. libtpu is pinned, so the estimate is deterministic; when a
 change makes a program cheaper, record the new value there."""
 
@@ -123,8 +123,8 @@ def test_a_lower_bound_gets_no_twins_pass(monkeypatch):
     assert "cycles_with_twins" not in tpu_static.profile(spec)
 
 
-# "Inside projections" (docs/benchmarks.md): the kernels' arguments projected from one x, as a
-# layer calls them; the programs must trace, and an attention forward+backward is refused.
+# "Inside projections" (docs/results/history_tpu.md): the kernels' arguments projected from one
+# x, as a layer calls them; the programs must trace, and an attention forward+backward is refused.
 @pytest.mark.parametrize("op,impl,shape,passes", [
     ("gla", "gla_tpu", (1, 256, 2, 128, 128, "key", "chunk"), "fwd_bwd"),
     ("attention", "gla_tpu", (1, 2, 1024, 128, True), "fwd"),

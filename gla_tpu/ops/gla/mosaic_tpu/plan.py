@@ -60,9 +60,9 @@ class BlockSizes:
       profiler_safe: chunked modes: zero the intra-chunk masks by 0/1 products (and, per-key
         gates, round the pair levels' operand for db by integer ops) instead of selects that
         libtpu folds into masked MXU pushes (and a bfloat16 round trip). The same values;
-        libtpu's static profiler (bench/tpu_static.py) takes these kernels' forward+backward on
+        libtpu's static profiler (`bench.tpu_static`) takes these kernels' forward+backward on
         v5e and v5p only so, and they cost about 0.5% more cycles by its estimate on v6e
-        (docs/benchmarks.md). Off by default.
+        (docs/benchmarks.md, "`BlockSizes(profiler_safe=True)`"). Off by default.
 
     Example:
       >>> BlockSizes(block_v=128, block_t_recurrent=32)  # doctest: +ELLIPSIS
