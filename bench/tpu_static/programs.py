@@ -270,7 +270,7 @@ def _inside_projections(spec: Spec, fn, args):
     (x @ w).reshape, JAX flash_attention's [B, H, T, D] ones transposed after that, float32 ones
     (GLA's log gates) as log_sigmoid of the product. In a forward+backward program the output
     [B, T, H, V] is projected back to M too, as a training step's loss sees it. The option
-    ("inside_projections", True) asks for it (docs/results/history_tpu.md, "Inside
+    ("inside_projections", True) asks for it (docs/results/history.md, "Inside
     projections"); for attention, forward programs only (`Spec` refuses the others)."""
     import jax
     import jax.numpy as jnp
@@ -306,7 +306,7 @@ def _inside_projections(spec: Spec, fn, args):
 
 # Where the profiler takes our chunked GLA forward+backward (gated) only with
 # BlockSizes(profiler_safe=True): the same values, about 0.5% more cycles on v6e
-# (docs/results/history_tpu.md, "GLA forward+backward on v5e and v5p").
+# (docs/results/history.md, "GLA forward+backward on v5e and v5p").
 PROFILER_SAFE_GENERATIONS = ("v5e", "v5p")
 
 

@@ -101,7 +101,7 @@ def _seconds_to_compile(fn, args, generation: str, repeats: int = 2) -> float:
 def test_attention_compiles_within_3x_of_jax_flash_attention():
     """Forward+backward at B2 T4096 H32 D128, causal, on v5e: our program's compile against JAX's
     `flash_attention` at blocks 512 on the same shape, in this process (the host's speed
-    cancels). Unrolled per head, ours took 50-200x (docs/results/history_tpu_attention.md,
+    cancels). Unrolled per head, ours took 50-200x (docs/results/history.md,
     2026-11-28)."""
     from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 

@@ -123,7 +123,7 @@ def test_a_lower_bound_gets_no_twins_pass(monkeypatch):
     assert "cycles_with_twins" not in tpu_static.profile(spec)
 
 
-# "Inside projections" (docs/results/history_tpu.md): the kernels' arguments projected from one
+# "Inside projections" (docs/results/history.md): the kernels' arguments projected from one
 # x, as a layer calls them; the programs must trace, and an attention forward+backward is refused.
 @pytest.mark.parametrize("op,impl,shape,passes", [
     ("gla", "gla_tpu", (1, 256, 2, 128, 128, "key", "chunk"), "fwd_bwd"),

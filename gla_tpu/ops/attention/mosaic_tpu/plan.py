@@ -123,11 +123,11 @@ class BlockSizes:
         `mxu_width`-wide MXUs and `vmem_bytes` of VMEM (None: unknown, e.g. off a TPU). On
         chips with 256-wide MXUs (v6e, 7x) all three kernels take 1024 x 1024 tiles: libtpu's
         static estimate puts the forward's 13-30% below 512 x 512 there, and the backward's cut
-        forward+backward by 9% (D 128) to 31% (D 256) (docs/results/history_tpu_attention.md,
+        forward+backward by 9% (D 128) to 31% (D 256) (docs/results/history.md,
         2026-11-22 and 2026-11-23). On 128-wide MXUs the tiles are 512 x 512, the forward's
         p @ v in 256-key steps at D = 256; there, on chips with 64 MiB of VMEM or more (v5e,
         v5p; not v4's 16), the D = 256 forward takes 1024 x 1024 tiles too (5-11% fewer cycles
-        by the estimate, docs/results/history_tpu.md, "D = 256 forward tiles on 128-wide
+        by the estimate, docs/results/history.md, "D = 256 forward tiles on 128-wide
         MXUs")."""
         sizes = cls(**{name: 512 for name in _BLOCK_FIELDS},
                     block_kv_compute=None if head_dim <= 128 else 256)
@@ -334,7 +334,7 @@ def _forward_tiles_128_wide(problem, info, reads_rows: bool, bq: int, bkv: int, 
     head-major causal forward at D = 128 12% fewer cycles on v5p; at D = 64 full / causal 10% /
     4% fewer on v5e and 9% / 5% on v5p; the rows forward without a mask 6% (v5e) and 7% (v5p)
     fewer, but the rows forward with the causal mask 2% more on v5e, so it keeps 512 x 512
-    (docs/results/history_tpu.md, "The head-major forward's tiles at D = 128 on v5e and v5p",
+    (docs/results/history.md, "The head-major forward's tiles at D = 128 on v5e and v5p",
     "The rows forward's tiles without a mask" and "D = 64 tiles on v5e and v5p"). D < 64 keeps the
     defaults (not estimated). Ring attention's blocks keep the BlockSizes defaults. Applies where
     the caller left the forward's three tiles None (BlockSizes.forward_tiles_set)."""
@@ -358,7 +358,7 @@ def _backward_tiles_128_wide(problem, info, *tiles):
     and 3.7% (full) off on v5e, where causal gains nothing (+2.7%; segment ids unmeasured); at
     D = 64 on v5p, 8.2% (full) and 4.8% (causal); v5e's dk/dv kernel at D = 64 does not
     profile, so it keeps 512 there. In float32 they outgrow the default scoped VMEM
-    (docs/results/history_tpu.md, "D = 256 backward tiles on v5p" and "D = 64 tiles on v5e and
+    (docs/results/history.md, "D = 256 backward tiles on v5p" and "D = 64 tiles on v5e and
     v5p").
     Applies where the caller set none of the four; ring attention's blocks keep the BlockSizes
     defaults."""

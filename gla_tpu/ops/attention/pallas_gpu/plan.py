@@ -277,7 +277,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
 
 
 # "auto" leaves short sequences at head dim 128 to the Triton forward, faster there on an H100
-# (2026-11-23, docs/results/history_gpu.md): T = S = 512 full 0.228 against 0.246 ms;
+# (2026-11-23, docs/results/history.md): T = S = 512 full 0.228 against 0.246 ms;
 # T = S = 1024 full 0.370 against 0.432, causal 0.262 against 0.269; from T = S = 2048 on the
 # Mosaic one wins (0.275 against 0.336 full). Not measured at other head dims, which keep the
 # Mosaic forward.

@@ -383,7 +383,7 @@ def _dqk_kernel(flag_ref, q_ref, k_ref, b_ref, da_ref, da_t_ref, v_ref, do_ref, 
     # Inter-chunk products over V blocks: do h_n^T and v dh_{n+1}^T [R, BK] with the states
     # rounded to the input dtype (as in chunk_output and chunk_dv), and sum_V h_n dh_{n+1} [1, BK]
     # on the stored ones (float32: with bfloat16 ones, dg at T = 1 with an initial state fails the
-    # pass rule, docs/results/history_gpu.md, 2026-11-22).
+    # pass rule, docs/results/history.md, 2026-11-22).
     def over_v(vb, acc):
         dq, dk, hdh = acc
         vs = pl.ds(vb * bv, bv)

@@ -29,7 +29,7 @@ cumulative sum precedes them.
 A [B, Tp, H, C], qd and kd [B, Tp, H, K] in the input dtype and last [B, N, H, K] float32 feed
 the chunk-serial state pass (kernels_mosaic_state.py). One block per (chunk, head, batch), one
 warpgroup; key columns in slabs of 64 (the registers a slab's factors need). (One warpgroup per
-slab, two or four to a block, was slower: docs/results/history_gpu.md, "range matrices from
+slab, two or four to a block, was slower: docs/results/history.md, "range matrices from
 memory".)
 """
 

@@ -25,7 +25,7 @@ chunks: group g adds its out to the float32 sum of the groups before it, which g
 to a scratch output and TMA reads back (in float32, or in the input dtype: Pass.sums_16bit), and
 the last group writes the sum in the input dtype.
 So no float32 partial outputs per group leave the kernel for XLA to add (docs/gpu_gla.md;
-measured: docs/results/history_gpu.md, "key groups summed inside the state passes").
+measured: docs/results/history.md, "key groups summed inside the state passes").
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def segment_starts(local, decay, start, *, reverse: bool = False):
 
     Written out segment by segment (P is static) for XLA to fuse, not as a `lax.scan`, which XLA
     runs on the GPU as a loop launched step by step: at (2, 16384, 8, 128, 128), P = 4, that loop
-    made the forward 0.482 ms against 0.436 (H200, docs/results/history_gpu.md, "the time
+    made the forward 0.482 ms against 0.436 (H200, docs/results/history.md, "the time
     split's join written out")."""
     b, splits = decay.shape[:2]
     local = local.reshape(b, splits, *local.shape[1:])
