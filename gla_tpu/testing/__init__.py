@@ -5,8 +5,10 @@ from gla_tpu.testing.grads import outputs_and_grads, random_cotangents
 from gla_tpu.testing.problems import (
     GATE_STRENGTHS,
     AttentionCase,
+    DeltaRuleCase,
     GLACase,
     make_attention_inputs,
+    make_delta_rule_inputs,
     make_gla_inputs,
     random_segment_ids,
 )
@@ -17,6 +19,7 @@ __all__ = [
     "GATE_STRENGTHS",
     "TPU_GENERATIONS",
     "AttentionCase",
+    "DeltaRuleCase",
     "GLACase",
     "abstract",
     "assert_pass_rule",
@@ -24,6 +27,7 @@ __all__ = [
     "compile_for_tpu",
     "libtpu_available",
     "make_attention_inputs",
+    "make_delta_rule_inputs",
     "make_gla_inputs",
     "outputs_and_grads",
     "random_cotangents",

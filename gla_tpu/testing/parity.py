@@ -19,13 +19,17 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.attention.api import flash_attention
 from gla_tpu.ops.attention.reference import attention_reference
+from gla_tpu.ops.delta_rule.api import delta_rule
+from gla_tpu.ops.delta_rule.reference import delta_rule_recurrent_jax
 from gla_tpu.ops.gla.api import gla
 from gla_tpu.ops.gla.reference import gla_recurrent_reference, gla_reference
 from gla_tpu.testing.grads import outputs_and_grads
 from gla_tpu.testing.problems import (
     AttentionCase,
+    DeltaRuleCase,
     GLACase,
     make_attention_inputs,
+    make_delta_rule_inputs,
     make_gla_inputs,
 )
 from gla_tpu.testing.tolerance import (
@@ -86,6 +90,33 @@ def check_gla_parity(case: GLACase, key=None, *, dtype=jnp.float32, mode="chunk"
     return _compare(k_out, truth, backend, dtype, bounds)
 
 
+def check_delta_rule_parity(case: DeltaRuleCase, key=None, *, dtype=jnp.float32, mode="chunk",
+                            backend="xla", interpret=False, chunk_size=None, block_sizes=None,
+                            grads=True):
+    """Asserts the pass rule for delta_rule on `case` (outputs, final state and every gradient:
+    dq, dk, dv, dbeta, dg, d initial_state) against the float64 token recurrence; for the "xla"
+    backend, its fixed bounds. `key` defaults to one derived from the case."""
+    key = jax.random.key(case_seed(case)) if key is None else key
+    semantics = dict(output_final_state=case.output_final_state,
+                     use_qk_l2norm=case.use_qk_l2norm)
+    kernel = functools.partial(delta_rule, **semantics, mode=mode, chunk_size=chunk_size,
+                               backend=backend, interpret=interpret, block_sizes=block_sizes)
+    inputs = _delta_rule_inputs(case, key, dtype)
+    k_out = None if _is_baseline(backend, block_sizes) else _run(kernel, inputs, key, dtype, grads)
+
+    def truth():
+        baseline = _run(functools.partial(delta_rule, **semantics, mode=mode,
+                                          chunk_size=chunk_size, backend="xla"),
+                        inputs, key, dtype, grads)
+        reference = _run_float64(functools.partial(delta_rule_recurrent_jax, **semantics),
+                                 inputs, key, dtype, grads)
+        return baseline, reference
+
+    truth = _cached(("delta_rule", case, _key_bytes(key), jnp.dtype(dtype).name, mode,
+                     chunk_size, grads), truth)
+    return _compare(k_out, truth, backend, dtype)
+
+
 def _is_baseline(backend, block_sizes) -> bool:
     return backend == "xla" and block_sizes is None
 
@@ -110,6 +141,11 @@ def _attention_inputs(case, key, dtype):
 
 def _gla_inputs(case, key, dtype, gate_dtype):
     inputs = make_gla_inputs(case, key, dtype, gate_dtype=gate_dtype)
+    return inputs, inputs.pop("segment_ids")
+
+
+def _delta_rule_inputs(case, key, dtype):
+    inputs = make_delta_rule_inputs(case, key, dtype)
     return inputs, inputs.pop("segment_ids")
 
 

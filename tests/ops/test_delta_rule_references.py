@@ -1,13 +1,20 @@
 """The delta rule's float64 references agree with each other, with closed forms and with an
 independent NumPy loop, for DeltaNet (no gate), Gated DeltaNet (per-head gate) and KDA (per-key
-gate)."""
+gate); the JAX twin of the token recurrence (the reference of the gradients) agrees with the NumPy
+one and its gradients with docs/delta_rule_math.md's backward."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gla_tpu.ops.delta_rule import delta_rule_chunked, delta_rule_recurrent
+from gla_tpu.ops.delta_rule import (
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    delta_rule_recurrent_jax,
+)
 from gla_tpu.ops.delta_rule.reference import _range_decays
 
 GATES = ("none", "head", "key")
@@ -370,5 +377,56 @@ def test_math_doc_backward_matches_autodiff(gate):
     ours = list(_doc_backward(q, k, v, beta, cut, s0, scale, do, d_final, chunk))
     if gate == "head":  # one gate per step: its gradient sums over K
         ours[4], expected[4] = ours[4].sum(-1), expected[4].sum(-1)
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "ds0"), ours, expected):
+        assert np.all(np.isfinite(a)) and _rel(a, b) < 1e-12, (name, _rel(a, b))
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_jax_recurrence_matches_numpy(gate):
+    """delta_rule_recurrent_jax, jitted, against delta_rule_recurrent: GVA, segments with a
+    one-token segment, an initial state, l2norm, and (gated) -inf gates at some steps."""
+    inputs = _inputs(20 + GATES.index(gate), gate, 33)
+    if gate != "none":
+        steps = np.arange(33).reshape((1, -1) + (1,) * (inputs["g"].ndim - 2))
+        inputs["g"] = np.where(np.isin(steps, [6, 20, 21]), -np.inf, inputs["g"])
+    arrays = {n: x for n, x in inputs.items() if n != "use_qk_l2norm"}
+    run = jax.jit(functools.partial(delta_rule_recurrent_jax, output_final_state=True,
+                                    use_qk_l2norm=inputs["use_qk_l2norm"], scale=0.3))
+    o, final = run(**arrays)
+    assert o.dtype == final.dtype == jnp.float64
+    o_np, final_np = delta_rule_recurrent(**inputs, scale=0.3)
+    assert _rel(o, o_np) < 1e-13 and _rel(final, final_np) < 1e-13
+    o_only, none = delta_rule_recurrent_jax(**arrays, use_qk_l2norm=inputs["use_qk_l2norm"],
+                                            scale=0.3)
+    assert none is None and _rel(o_only, o_np) < 1e-13
+
+
+@pytest.mark.parametrize("gate", ["head", "key"])
+def test_jax_recurrence_gradients_match_the_math_doc(gate):
+    """The gradients of delta_rule_recurrent_jax (autodiff through the scan) against the chunked
+    backward of docs/delta_rule_math.md, with -inf gates and an initial state."""
+    t, kd, vd, scale = 32, 8, 6, 0.4
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.standard_normal((t, d)) for d in (kd, kd, vd))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta, s0 = 2.0 / (1.0 + np.exp(-rng.standard_normal(t))), rng.standard_normal((kd, vd))
+    g = _kimi_gates(rng, gate, 1, t, 1, kd)[0, :, 0] / 4  # [T] or [T, K]
+    g = np.where(np.isin(np.arange(t), [5, 16, 17]).reshape((t,) + (1,) * (g.ndim - 1)),
+                 -np.inf, g)
+    do, d_final = rng.standard_normal((t, vd)), rng.standard_normal((kd, vd))
+
+    def loss(q, k, v, beta, g, s0):
+        o, final = delta_rule_recurrent_jax(
+            q[None, :, None], k[None, :, None], v[None, :, None], beta[None, :, None],
+            g[None, :, None], initial_state=s0[None, None], output_final_state=True, scale=scale)
+        return jnp.sum(o[0, :, 0] * do) + jnp.sum(final[0, 0] * d_final)
+
+    with jax.enable_x64(True):
+        ours = jax.grad(loss, argnums=range(6))(q, k, v, beta, jnp.asarray(g), s0)
+    ours = [np.asarray(x) for x in ours]
+    g_keys = np.broadcast_to(g.reshape(t, -1), (t, kd))
+    expected = list(_doc_backward(q, k, v, beta, g_keys, s0, scale, do, d_final, 16))
+    if gate == "head":
+        expected[4] = expected[4].sum(-1)
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "ds0"), ours, expected):
         assert np.all(np.isfinite(a)) and _rel(a, b) < 1e-12, (name, _rel(a, b))

@@ -104,6 +104,75 @@ def test_gla_aliases_fix_the_mode():
     np.testing.assert_allclose(o1, o2, rtol=2e-5, atol=2e-5)
 
 
+HV, DV = 2 * H, 16  # delta_rule: two value heads per q/k head, V != K
+V_DR = jnp.ones((B, T, HV, DV), jnp.float32)
+BETA = jnp.full((B, T, HV), 0.5, jnp.float32)
+G_HEAD = -jnp.ones((B, T, HV), jnp.float32)
+G_KEY = -jnp.ones((B, T, HV, D), jnp.float32)
+
+
+def delta_rule(**overrides):
+    args = dict(q=Q, k=Q, v=V_DR, beta=BETA, g=G_KEY)
+    args.update(overrides)
+    q, k, v, beta, g = (args.pop(n) for n in ("q", "k", "v", "beta", "g"))
+    return ops.delta_rule(q, k, v, beta, g, **args)
+
+
+DELTA_RULE_BAD = [
+    ({"q": jnp.ones((B, T, D))}, ValueError, r"q must have rank 4.*\(2, 16, 32\)"),
+    ({"k": jnp.ones((B, T, H, D + 1))}, ValueError, r"k must have shape.*\(2, 16, 4, 32\)"),
+    ({"v": jnp.ones((B, T + 1, HV, DV))}, ValueError, r"v must have shape \[B, T, HV, V\]"),
+    ({"v": jnp.ones((B, T, 6, DV))}, ValueError, r"v's heads HV=6 must be a multiple of q and k's heads H=4"),
+    ({"v": V_DR.astype(jnp.bfloat16)}, ValueError, r"share one dtype.*v bfloat16"),
+    ({"q": jnp.ones((B, T, H, D), jnp.int8)}, ValueError, r"q must have a floating dtype.*int8"),
+    ({"beta": 0.5}, ValueError, r"beta must be an array \[B, T, HV\]; got 0.5"),
+    ({"beta": jnp.ones((B, T, HV, 1))}, ValueError, r"beta must have rank 3"),
+    ({"beta": jnp.ones((B, T, H))}, ValueError, r"beta must have shape \[B, T, HV\] = \(2, 16, 8\); got .*\(2, 16, 4\)"),
+    ({"beta": jnp.ones((B, T, HV), jnp.int32)}, ValueError, r"beta must have a floating dtype.*int32"),
+    ({"g": jnp.ones((B, T))}, ValueError, r"g must be None \(DeltaNet\), a per-head gate \[B, T, HV\] \(Gated DeltaNet\) or a per-key gate \[B, T, HV, K\] \(KDA\); got .*\(2, 16\)"),
+    ({"g": -jnp.ones((B, T, H))}, ValueError, r"g must have shape \[B, T, HV\] \(per-head gate, Gated DeltaNet\) = \(2, 16, 8\)"),
+    ({"g": -jnp.ones((B, T, HV, 8))}, ValueError, r"g must have shape \[B, T, HV, K\] \(per-key gate, KDA\)"),
+    ({"g": jnp.ones((B, T, HV), jnp.int32)}, ValueError, r"g must have a floating dtype"),
+    ({"scale": 0.0}, ValueError, r"scale must be a finite positive number; got 0.0"),
+    ({"initial_state": jnp.ones((B, HV, D))}, ValueError, r"initial_state must have rank 4"),
+    ({"initial_state": jnp.ones((B, H, D, DV))}, ValueError, r"initial_state must have shape \[B, HV, K, V\] = \(2, 8, 32, 16\)"),
+    ({"initial_state": jnp.ones((B, HV, D, DV), jnp.int32)}, ValueError, r"initial_state must have a floating dtype"),
+    ({"output_final_state": 1}, ValueError, r"output_final_state must be a bool; got 1"),
+    ({"use_qk_l2norm": "yes"}, ValueError, r"use_qk_l2norm must be a bool; got 'yes'"),
+    ({"segment_ids": jnp.zeros((B, T), jnp.float32)}, ValueError, r"segment_ids must have an integer dtype"),
+    ({"segment_ids": jnp.zeros((B, T - 1), jnp.int32)}, ValueError, r"segment_ids must have shape"),
+    ({"mode": "fused_chunk"}, ValueError, r"mode must be one of \('auto', 'chunk', 'fused_recurrent'\); got 'fused_chunk'"),
+    ({"chunk_size": 32}, ValueError, r"chunk_size must be one of \(64, 128, None\); got 32"),
+    ({"backend": "triton"}, ValueError, r"backend must be one of .*'triton'"),
+    ({"backend": "xla", "block_sizes": object()}, NotImplementedError, r"'xla' backend takes None"),
+    ({"backend": "mosaic_tpu"}, NotImplementedError, r"'mosaic_tpu' backend is not yet available for delta_rule; backend='xla' takes it"),
+    ({"backend": "pallas_gpu"}, NotImplementedError, r"'pallas_gpu' backend is not yet available for delta_rule; backend='xla' takes it"),
+]
+
+
+@pytest.mark.parametrize("overrides,exc,pattern", DELTA_RULE_BAD)
+def test_delta_rule_rejects(overrides, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        delta_rule(**overrides)
+
+
+@pytest.mark.parametrize("alias,g,pattern", [
+    ("chunk_kda", G_HEAD, r"chunk_kda takes a per-key gate g \[B, T, HV, K\] \(KDA\); got g=array of shape \(2, 16, 8\)"),
+    ("fused_recurrent_kda", None, r"fused_recurrent_kda takes a per-key gate .*; got g=None"),
+    ("chunk_gated_delta_rule", G_KEY, r"chunk_gated_delta_rule takes a per-head gate g \[B, T, HV\] \(Gated DeltaNet\); got g=array of shape \(2, 16, 8, 32\)"),
+    ("fused_recurrent_gated_delta_rule", None, r"fused_recurrent_gated_delta_rule takes a per-head gate"),
+    ("chunk_delta_rule", G_HEAD, r"chunk_delta_rule takes no gate \(g=None: DeltaNet\); got g=array"),
+    ("fused_recurrent_delta_rule", G_KEY, r"fused_recurrent_delta_rule takes no gate"),
+])
+def test_delta_rule_aliases_reject_another_variant(alias, g, pattern):
+    fn = getattr(ops, alias)
+    with pytest.raises(ValueError, match=pattern):
+        if "gated" in alias or "kda" in alias:
+            fn(Q, Q, V_DR, g, BETA)
+        else:
+            fn(Q, Q, V_DR, BETA, g=g)
+
+
 # backend="auto" and named backends.
 
 
@@ -209,7 +278,8 @@ def _readme_table(op):
     return text[text.index(start) + len(start):text.index(end)]
 
 
-@pytest.mark.parametrize("op_family,op", [("attention", "flash_attention"), ("gla", "gla")])
+@pytest.mark.parametrize("op_family,op", [("attention", "flash_attention"), ("gla", "gla"),
+                                         ("delta_rule", "delta_rule")])
 def test_readme_backend_tables_are_the_declared_capabilities(op_family, op):
     expected = backend_table(backends.capabilities(op_family))
     assert _readme_table(op) == expected, (

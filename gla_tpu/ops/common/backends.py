@@ -3,6 +3,8 @@
 "auto" picks the Pallas kernel of the default device's platform and falls back to "xla" for a
 problem the kernel cannot take (its `check_supported` raised NotImplementedError), warning once per
 distinct reason. A backend named explicitly never falls back: its NotImplementedError propagates.
+An op family whose kernels are planned but not written (FAMILY_BACKENDS) is the same case: "auto"
+falls back to "xla" with a one-time warning on that platform, and naming the backend raises.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ XLA = "xla"
 BACKENDS = ("auto", MOSAIC_TPU, PALLAS_GPU, XLA)
 
 _PLATFORM_KERNEL = {"tpu": MOSAIC_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU}
+
+# The concrete backends each op family implements, each the module
+# gla_tpu.ops.<family>.<backend> with `CAPABILITIES` and `check_supported`. A backend of BACKENDS
+# missing here is not yet available for that family.
+FAMILY_BACKENDS = {
+    "attention": (MOSAIC_TPU, PALLAS_GPU, XLA),
+    "gla": (MOSAIC_TPU, PALLAS_GPU, XLA),
+    "delta_rule": (XLA,),
+}
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -114,6 +125,10 @@ def dispatch(op_family: str, op_name: str, backend: str, problem, block_sizes):
     check_choice("backend", backend, BACKENDS)
 
     def check_supported(name: str) -> None:
+        if name not in FAMILY_BACKENDS[op_family]:
+            raise NotImplementedError(
+                f"the {name!r} backend is not yet available for {op_name}; backend='xla' "
+                "takes it.")
         backend_module(op_family, name).check_supported(problem, block_sizes)
 
     chosen = resolve_backend(op_name, backend, check_supported)
@@ -123,7 +138,8 @@ def dispatch(op_family: str, op_name: str, backend: str, problem, block_sizes):
 
 
 def backend_module(op_family: str, backend: str):
-    """The module of a concrete backend: gla_tpu.ops.<op_family>.<backend> ("attention" or "gla").
+    """The module of a concrete backend: gla_tpu.ops.<op_family>.<backend> (a family of
+    FAMILY_BACKENDS).
 
     Imported on first use, so a Pallas backend costs nothing until it is picked.
     """
@@ -131,5 +147,5 @@ def backend_module(op_family: str, backend: str):
 
 
 def capabilities(op_family: str) -> list:
-    """Every concrete backend's Capabilities for "attention" or "gla", in BACKENDS order."""
-    return [backend_module(op_family, name).CAPABILITIES for name in BACKENDS if name != "auto"]
+    """The Capabilities of every backend `op_family` implements, in BACKENDS order."""
+    return [backend_module(op_family, name).CAPABILITIES for name in FAMILY_BACKENDS[op_family]]

@@ -16,13 +16,18 @@ import jax.numpy as jnp
 
 ATTENTION_FEATURES = ("causal", "gqa", "segment_ids")
 GLA_FEATURES = ("segment_ids", "initial_state", "final_state")
+DELTA_RULE_FEATURES = GLA_FEATURES + ("grouped_value_heads", "qk_l2norm")
 FEATURE_NAMES = {
     "causal": "causal=True",
     "gqa": "GQA/MQA (fewer k/v heads than q heads)",
     "segment_ids": "segment_ids",
     "initial_state": "initial_state",
     "final_state": "output_final_state=True",
+    "grouped_value_heads": "grouped value heads (more v heads than q/k heads)",
+    "qk_l2norm": "use_qk_l2norm=True",
 }
+# The ops whose problems carry a mode, a gate kind and a chunk size.
+CHUNKED_OPS = ("gla", "delta_rule")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +62,18 @@ class Capabilities:
     """What one backend takes for one op.
 
     Attributes:
-      op: "flash_attention" or "gla".
+      op: "flash_attention", "gla" or "delta_rule".
       backend: the backend's name.
       platform: where it runs (for the README).
       dtypes: names of the q/k/v dtypes it takes.
-      dims: (name, Dims) pairs: ("head_dim", ...) for attention, ("K", ...), ("V", ...) for gla.
-      modes, gates, chunk_sizes: gla's modes, gate kinds ("key", "head", "none") and chunk sizes
-        of the chunked modes.
-      default_chunks: gla's chunk size for `chunk_size=None` as ((largest K, chunk), ...): the
+      dims: (name, Dims) pairs: ("head_dim", ...) for attention, ("K", ...), ("V", ...) for gla
+        and delta_rule.
+      modes, gates, chunk_sizes: the modes, gate kinds ("key", "head", "none") and chunk sizes
+        of the chunked modes of gla and delta_rule.
+      default_chunks: the chunk size for `chunk_size=None` as ((largest K, chunk), ...): the
         first entry whose K bound holds; the first of `chunk_sizes` when none does.
-      features: the optional features it takes (ATTENTION_FEATURES / GLA_FEATURES).
+      features: the optional features it takes (ATTENTION_FEATURES / GLA_FEATURES /
+        DELTA_RULE_FEATURES).
       notes: how it runs (for the README).
       block_sizes: the backend's BlockSizes class, or None for a backend without tiles.
     """
@@ -85,15 +92,15 @@ class Capabilities:
     block_sizes: type | None = None
 
     def default_chunk_size(self, key_dim: int) -> int:
-        """gla's chunk size when the caller gives none, for key dim `key_dim`."""
+        """The chunk size when the caller gives none, for key dim `key_dim`."""
         for largest_k, chunk in self.default_chunks:
             if key_dim <= largest_k:
                 return chunk
         return self.chunk_sizes[0]
 
     def refusal(self, problem) -> str | None:
-        """Why this backend cannot take `problem` (a validated AttentionProblem or GLAProblem),
-        or None when it can."""
+        """Why this backend cannot take `problem` (a validated AttentionProblem, GLAProblem or
+        DeltaRuleProblem), or None when it can."""
         dtype = jnp.dtype(problem.dtype).name
         if dtype not in self.dtypes:
             return f"takes {_words(self.dtypes)} q, k, v; got {dtype}"
@@ -101,7 +108,7 @@ class Capabilities:
             value = problem.sizes()[name]
             if not dims.accepts(value):
                 return f"takes {name} {dims.describe()}; got {name}={value}"
-        if self.op == "gla":
+        if self.op in CHUNKED_OPS:
             if problem.mode not in self.modes:
                 return f"takes mode {_words(self.modes)}; got mode={problem.mode!r}"
             if problem.gate_kind not in self.gates:
@@ -164,6 +171,8 @@ def backend_table(capabilities: list[Capabilities]) -> str:
     else:
         header = ["backend", "platform", "dtypes", "K", "V", "modes", "gates", "chunk_size",
                   "segment_ids", "initial / final state", "how it runs"]
+    if op == "delta_rule":
+        header[-1:-1] = ["grouped value heads", "use_qk_l2norm"]
     rows = [header, ["---"] * len(header)]
     for cap in capabilities:
         dims = [d.describe() for _, d in cap.dims]
@@ -173,7 +182,10 @@ def backend_table(capabilities: list[Capabilities]) -> str:
                          cap.notes])
         else:
             state = _yes("initial_state" in cap.features and "final_state" in cap.features)
+            flags = [_yes("segment_ids" in cap.features), state]
+            if op == "delta_rule":
+                flags += [_yes(f in cap.features) for f in ("grouped_value_heads", "qk_l2norm")]
             rows.append([f"`{cap.backend}`", cap.platform, _words(cap.dtypes), *dims,
-                         _words(cap.modes), _words(cap.gates), _chunk_sizes(cap),
-                         _yes("segment_ids" in cap.features), state, cap.notes])
+                         _words(cap.modes), _words(cap.gates), _chunk_sizes(cap), *flags,
+                         cap.notes])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"

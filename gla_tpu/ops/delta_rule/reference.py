@@ -2,8 +2,11 @@
 
 Both take the arguments of `ops.delta_rule` (less the performance ones; the chunked form also takes
 its chunk size), compute in float64 NumPy and return (o [B, T, HV, V], final_state [B, HV, K, V])
-as float64 NumPy arrays. The gate's shape picks the variant: g None is DeltaNet, [B, T, HV] Gated
-DeltaNet, [B, T, HV, K] KDA. Per batch row and value head, state S [K, V]:
+as float64 NumPy arrays. `delta_rule_recurrent_jax` is the token recurrence again in JAX, under
+`jax.enable_x64`: jittable and differentiable, the reference of every gradient, with the signature
+of `ops.delta_rule` (final_state None unless `output_final_state`). The gate's shape picks the
+variant: g None is DeltaNet, [B, T, HV] Gated DeltaNet, [B, T, HV, K] KDA. Per batch row and value
+head, state S [K, V]:
 
   S_t = (I - beta_t k_t k_t^T) diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -130,6 +134,50 @@ def delta_rule_recurrent(q, k, v, beta, g=None, *, scale=None, initial_state=Non
         state = erased + beta_t * k_t[..., :, None] * x.v[:, :, t, None, :]
         o[:, :, t] = x.scale * np.einsum("bhkv,bhk->bhv", state, x.q[:, :, t])
     return np.moveaxis(o, 1, 2), state
+
+
+def delta_rule_recurrent_jax(q, k, v, beta, g=None, *, scale=None, initial_state=None,
+                             output_final_state=False, segment_ids=None, use_qk_l2norm=False):
+    """`delta_rule_recurrent` in JAX, float64: a `lax.scan` over tokens, jittable and
+    differentiable (the reference of every gradient).
+
+    Takes the arguments of `ops.delta_rule` less the performance ones and returns
+    (o [B, T, HV, V], final_state [B, HV, K, V] or None unless `output_final_state`) in float64.
+    A gate of -inf zeroes the state exactly, and its gradient there is 0.
+    """
+    _check(q, k, v, beta, g, initial_state, segment_ids)
+    scale = validation.check_scale("scale", scale)
+    validation.check_bool("output_final_state", output_final_state)
+    validation.check_bool("use_qk_l2norm", use_qk_l2norm)
+    with jax.enable_x64(True):
+        q, k, v, beta = (jnp.asarray(x, jnp.float64) for x in (q, k, v, beta))
+        b, t, h, kd = q.shape
+        hv, vd = v.shape[2], v.shape[3]
+        if use_qk_l2norm:
+            q, k = (x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+                    for x in (q, k))
+        # value head j reads q, k head j // (HV // H)
+        q, k = (jnp.repeat(x, hv // h, axis=2) for x in (q, k))
+        gates = (jnp.zeros((b, t, hv, 1), jnp.float64) if g is None
+                 else jnp.asarray(g, jnp.float64).reshape(b, t, hv, -1))
+        state = (jnp.zeros((b, hv, kd, vd), jnp.float64) if initial_state is None
+                 else jnp.asarray(initial_state, jnp.float64))
+        starts = (jnp.zeros((b, t), bool) if segment_ids is None
+                  else token_starts(segment_index(jnp.asarray(segment_ids))))
+
+        def step(state, xs):
+            q_t, k_t, v_t, beta_t, g_t, start_t = xs  # [B, HV, K|V], [B, HV], [B, HV, Kg], [B]
+            state = jnp.where(start_t[:, None, None, None], 0.0, state)
+            decayed = jnp.exp(g_t)[..., None] * state
+            # the new-value form: S = D S + k u^T, u = beta (v - (D S)^T k)
+            u = beta_t[..., None] * (v_t - jnp.einsum("bhkv,bhk->bhv", decayed, k_t))
+            state = decayed + k_t[..., :, None] * u[..., None, :]
+            return state, jnp.einsum("bhkv,bhk->bhv", state, q_t)
+
+        xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, beta, gates, starts))
+        state, o = jax.lax.scan(step, state, xs)
+        o = jnp.moveaxis(o, 0, 1) * (kd**-0.5 if scale is None else scale)
+        return o, (state if output_final_state else None)
 
 
 def _range_decays(g):

@@ -1,0 +1,137 @@
+"""The public delta-rule op (DeltaNet, Gated DeltaNet, KDA) and its fla-named aliases."""
+
+from __future__ import annotations
+
+import inspect
+
+from gla_tpu.ops.common import backends
+from gla_tpu.ops.common.gates import floor_log_gates
+from gla_tpu.ops.common.validation import describe
+from gla_tpu.ops.delta_rule.validation import (
+    GATE_DESCRIPTIONS,
+    gate_kind,
+    validate_delta_rule,
+)
+
+# Each backend is the module gla_tpu.ops.delta_rule.<backend> (common/backends.FAMILY_BACKENDS),
+# implementing `check_supported(problem, block_sizes)` and
+# `delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_sizes, interpret)
+#  -> (o, final_state)`.
+
+
+def delta_rule(
+    q,
+    k,
+    v,
+    beta,
+    g=None,
+    *,
+    scale: float | None = None,
+    initial_state=None,
+    output_final_state: bool = False,
+    segment_ids=None,
+    use_qk_l2norm: bool = False,
+    mode: str = "auto",
+    chunk_size: int | None = None,
+    block_sizes=None,
+    backend: str = "auto",
+    interpret=False,
+):
+    """The delta rule: DeltaNet (g None), Gated DeltaNet (per-head g), KDA (per-key g).
+
+    Per batch row and value head, with state S [K, V] and D_t = diag(exp(g_t)):
+      S_t = (I - beta_t k_t k_t^T) D_t S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t.
+
+    Args:
+      q, k: [B, T, H, K]; q, k, v share one floating dtype.
+      v: [B, T, HV, V], HV a multiple of H: value head j reads q and k head j // (HV // H).
+      beta: [B, T, HV], any real, any float dtype (the caller applies sigmoid or 2 * sigmoid).
+      g: log decay (natural log, g <= 0, -inf allowed: a hard reset), any float dtype: None
+        (DeltaNet), [B, T, HV] per head (Gated DeltaNet) or [B, T, HV, K] per key (KDA).
+      scale: default K ** -0.5.
+      initial_state: [B, HV, K, V], used in float32 (float64 for float64 inputs); applies to each
+        row's first segment.
+      output_final_state: also return the state after each row's last token.
+      segment_ids: [B, T] int; the state resets to zero where the id changes.
+      use_qk_l2norm: l2-normalize q and k over K first, x / sqrt(sum x^2 + 1e-6) (fla's
+        use_qk_l2norm_in_kernel).
+      mode: "chunk", "fused_recurrent" or "auto" (fused_recurrent for T <= 16, else chunk). Both
+        modes compute the same function.
+      chunk_size: 64 or 128 for mode "chunk"; None: the backend's default (xla: 64). The result
+        does not depend on it beyond rounding.
+      block_sizes: the backend's BlockSizes (performance only); None for "xla".
+      backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla". Only "xla" implements the delta rule
+        today: "auto" runs it on every platform (on a TPU or GPU with a one-time warning), and
+        "mosaic_tpu" or "pallas_gpu" raise NotImplementedError.
+      interpret: run a Pallas backend in interpret mode on CPU.
+
+    Returns:
+      (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32 (float64 for float64
+      inputs) or None).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from gla_tpu import ops
+      >>> q = k = jnp.ones((1, 100, 2, 64))
+      >>> v = jnp.ones((1, 100, 4, 32))
+      >>> beta = jax.nn.sigmoid(jnp.ones((1, 100, 4)))
+      >>> g = jax.nn.log_sigmoid(jnp.ones((1, 100, 4)))
+      >>> o, s = ops.delta_rule(q, k, v, beta, g, use_qk_l2norm=True, output_final_state=True)
+      >>> o.shape, s.shape
+      ((1, 100, 4, 32), (1, 4, 64, 32))
+    """
+    problem, initial_state, segment_ids = validate_delta_rule(
+        q, k, v, beta, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, segment_ids=segment_ids,
+        use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=chunk_size,
+    )
+    g = floor_log_gates(g)  # -inf (a hard reset) and gates below -100 act as -100
+    module, block_sizes = backends.dispatch("delta_rule", "delta_rule", backend, problem,
+                                            block_sizes)
+    problem = problem.with_chunk_size(module.CAPABILITIES.default_chunk_size(problem.key_dim))
+    return module.delta_rule(
+        q, k, v, beta, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+
+
+def _alias(mode: str, variant: str, name: str):
+    """fla's function `name`: `delta_rule` with `mode` fixed and the gate of `variant` ("none",
+    "head", "key") in fla's positional order, (q, k, v, beta) or (q, k, v, g, beta)."""
+
+    def check(g, kwargs):
+        if "mode" in kwargs:
+            raise ValueError(
+                f"mode is fixed to {mode!r} by {name}; got mode={kwargs['mode']!r}.")
+        if gate_kind(g) != variant:
+            raise ValueError(
+                f"{name} takes {GATE_DESCRIPTIONS[variant]}; got g={describe(g)}. "
+                "ops.delta_rule takes every gate shape.")
+
+    if variant == "none":
+        def op(q, k, v, beta, **kwargs):
+            check(kwargs.get("g"), kwargs)
+            return delta_rule(q, k, v, beta, mode=mode, **kwargs)
+    else:
+        def op(q, k, v, g, beta, **kwargs):
+            check(g, kwargs)
+            return delta_rule(q, k, v, beta, g, mode=mode, **kwargs)
+
+    params = inspect.signature(delta_rule).parameters
+    positional = ("q", "k", "v", "beta") if variant == "none" else ("q", "k", "v", "g", "beta")
+    op.__signature__ = inspect.Signature(
+        [params[n].replace(default=inspect.Parameter.empty) for n in positional]
+        + [p for n, p in params.items() if n not in positional + ("g", "mode")])
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = (f"`delta_rule` with mode={mode!r} and {GATE_DESCRIPTIONS[variant]}, arguments "
+                  "in flash-linear-attention's order (its name).")
+    return op
+
+
+chunk_delta_rule = _alias("chunk", "none", "chunk_delta_rule")
+chunk_gated_delta_rule = _alias("chunk", "head", "chunk_gated_delta_rule")
+chunk_kda = _alias("chunk", "key", "chunk_kda")
+fused_recurrent_delta_rule = _alias("fused_recurrent", "none", "fused_recurrent_delta_rule")
+fused_recurrent_gated_delta_rule = _alias("fused_recurrent", "head",
+                                          "fused_recurrent_gated_delta_rule")
+fused_recurrent_kda = _alias("fused_recurrent", "key", "fused_recurrent_kda")

@@ -1,0 +1,295 @@
+"""delta_rule (DeltaNet, Gated DeltaNet, KDA) on its one backend today, "xla", against the float64
+token recurrence (`delta_rule_recurrent_jax`, itself checked against the NumPy references in
+test_delta_rule_references.py).
+
+The "xla" backend has no baseline below it: it is held to the fixed bounds of
+tolerance.XLA_MAX_RELATIVE_RMS (float32: 1e-5 relative RMS error) for outputs, final state and
+every gradient (dq, dk, dv, dbeta, dg, d initial_state) through one scalar loss. The Pallas
+backends are planned: "auto" runs "xla" on every platform and a named kernel backend raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gla_tpu import ops
+from gla_tpu.ops.common import backends
+from gla_tpu.ops.delta_rule import api as delta_rule_api
+from gla_tpu.testing import DeltaRuleCase, make_delta_rule_inputs
+from gla_tpu.testing.grads import outputs_and_grads
+from gla_tpu.testing.parity import case_seed, check_delta_rule_parity
+from gla_tpu.testing.strategies import budget
+from gla_tpu.testing.tolerance import assert_accuracy
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+C = DeltaRuleCase
+
+# Every gate kind in both modes, both dtypes meeting every gate kind; grouped value heads
+# (H = 2, HV = 4; H = 1, HV = 2) and plain ones; K != V both ways; T = 1, 7, 65, 130 (a chunk and
+# one token, two chunks and two tokens); segments with a one-token segment; initial and final
+# states; keys l2-normalized inside the op or passed with unit norm; logsigmoid and Kimi gates.
+CASES = {
+    "chunk-none-T65-gva-f32": (C(2, 65, 2, 4, 16, 24, gate="none", initial_state=True,
+                                 segments=True), F32, "chunk", None),
+    "chunk-head-kimi-T130-f32-unit-keys": (C(1, 130, 2, 4, 32, 16, gate="head", gate_law="kimi",
+                                             initial_state=True, use_qk_l2norm=False), F32,
+                                           "chunk", None),
+    "chunk-key-kimi-T65-seg-f32": (C(2, 65, 2, 4, 16, 24, gate="key", gate_law="kimi",
+                                     initial_state=True, segments=True), F32, "chunk", None),
+    "chunk-key-T7-bf16": (C(2, 7, 2, 4, 16, 24, gate="key", initial_state=True, segments=True),
+                          BF16, "chunk", None),
+    "chunk-head-T1-f32": (C(2, 1, 2, 4, 16, 24, gate="head", initial_state=True), F32, "chunk",
+                          None),
+    "chunk128-key-T130-f32": (C(1, 130, 1, 2, 16, 24, gate="key", gate_strength=16.0,
+                                initial_state=True, segments=True), F32, "chunk", 128),
+    "recurrent-none-T7-mqa-f32-unit-keys": (C(1, 7, 1, 2, 24, 16, gate="none", segments=True,
+                                              use_qk_l2norm=False), F32, "fused_recurrent", None),
+    "recurrent-head-kimi-T65-bf16": (C(1, 65, 2, 4, 16, 24, gate="head", gate_law="kimi",
+                                       initial_state=True, segments=True), BF16,
+                                     "fused_recurrent", None),
+    "recurrent-key-T130-f32": (C(1, 130, 2, 4, 32, 16, gate="key", gate_strength=16.0,
+                                 initial_state=True, segments=True, output_final_state=False),
+                               F32, "fused_recurrent", None),
+}
+
+
+
+def _full_cases():
+    """--full: the rest of the sweep, every (mode, gate, gate law, dtype) at larger heads and
+    three shapes in rotation, plus chunk_size 128 and float16."""
+    shapes = ((63, 2, 2, 64, 64, True, True), (257, 1, 3, 64, 32, False, False),
+              (129, 2, 4, 32, 64, True, False))  # (T, H, HV, K, V, segments, use_qk_l2norm)
+    cases, i = {}, 0
+    for mode in ("chunk", "fused_recurrent"):
+        for gate in ("none", "head", "key"):
+            for law in ("logsigmoid",) if gate == "none" else ("logsigmoid", "kimi"):
+                for dtype in (F32, BF16):
+                    t, h, hv, kd, vd, seg, l2 = shapes[i % len(shapes)]
+                    name = f"{mode}-{gate}-{law}-T{t}-K{kd}-V{vd}-{jnp.dtype(dtype).name}"
+                    cases[name] = (C(2, t, h, hv, kd, vd, gate=gate, gate_law=law,
+                                     initial_state=True, segments=seg, use_qk_l2norm=l2),
+                                   dtype, mode, None)
+                    i += 1
+    cases["chunk128-head-T257-f32"] = (C(1, 257, 2, 4, 64, 64, gate="head", initial_state=True,
+                                         segments=True), F32, "chunk", 128)
+    cases["chunk-key-T100-f16"] = (C(1, 100, 2, 4, 32, 32, gate="key", initial_state=True),
+                                   jnp.float16, "chunk", None)
+    cases["recurrent-none-T100-f16"] = (C(1, 100, 2, 4, 32, 32, gate="none",
+                                          initial_state=True), jnp.float16, "fused_recurrent",
+                                        None)
+    return cases
+
+
+def _params(cases, marks=()):
+    return [pytest.param(case, dtype, mode, chunk, id=name, marks=marks)
+            for name, (case, dtype, mode, chunk) in cases.items()]
+
+
+@pytest.mark.parametrize("case,dtype,mode,chunk_size",
+                         _params(CASES) + _params(_full_cases(), pytest.mark.full))
+def test_xla_against_float64_recurrence(case, dtype, mode, chunk_size):
+    check_delta_rule_parity(case, dtype=dtype, mode=mode, chunk_size=chunk_size, backend="xla")
+
+
+def _run_all(inputs, key, *, mode, use_qk_l2norm=True):
+    """(xla outputs and grads, float64 reference outputs and grads) for the same inputs."""
+    seg = inputs.pop("segment_ids")
+    ct_key = jax.random.fold_in(key, 1)
+    common = dict(output_final_state=True, segment_ids=seg, use_qk_l2norm=use_qk_l2norm)
+    ours = outputs_and_grads(functools.partial(ops.delta_rule, **common, mode=mode,
+                                               backend="xla"), inputs, ct_key)
+    reference = outputs_and_grads(functools.partial(ops.delta_rule_reference, **common), inputs,
+                                  ct_key, float64=True)
+    return ours, reference
+
+
+# fused_recurrent with per-head gates runs the per-key scan with one gate per head: --full only
+MODES_GATES = [("chunk", "head"), ("chunk", "key"), ("fused_recurrent", "key"),
+               pytest.param("fused_recurrent", "head", marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("mode,gate", MODES_GATES)
+def test_gates_of_minus_1000_and_minus_inf(mode, gate):
+    """g = -1e3 at some steps (three in one chunk, then weak gates: the chunk's running sums reach
+    -300, where float32 differences of them would cost 3e-5 relative in the weak decays after)
+    and -inf at others (two in a row, a chunk's first and last token): finite outputs and
+    gradients within the float32 bound, dg included (0 where the gate cuts the state)."""
+    case = C(1, 130, 2, 4, 16, 24, gate=gate, gate_strength=16.0, initial_state=True,
+             segments=True)
+    key = jax.random.key(case_seed(case, "strong"))
+    inputs = make_delta_rule_inputs(case, key)
+    steps = jnp.arange(case.seq_len).reshape((1, -1) + (1,) * (inputs["g"].ndim - 2))
+    strong, cut = jnp.isin(steps, jnp.array([5, 9, 17, 80])), jnp.isin(steps, jnp.array(
+        [40, 41, 64, 127]))
+    inputs["g"] = jnp.where(strong, -1e3, jnp.where(cut, -jnp.inf, inputs["g"]))
+    ours, reference = _run_all(inputs, key, mode=mode)
+    for leaf in jax.tree_util.tree_leaves(ours):
+        assert np.all(np.isfinite(leaf))
+    assert np.all(np.asarray(ours[1]["g"])[np.broadcast_to(cut, inputs["g"].shape)] == 0.0)
+    assert_accuracy(ours, reference, dtype=F32)
+
+
+@pytest.mark.parametrize("mode,gate", MODES_GATES)
+def test_minus_inf_gate_is_a_hard_reset(mode, gate):
+    """Outputs from a -inf gate on (on every key) do not depend on anything before it: keys,
+    values, the initial state."""
+    case = C(1, 70, 2, 4, 16, 24, gate=gate, initial_state=True)
+    inputs = make_delta_rule_inputs(case, jax.random.key(case_seed(case, "reset")))
+    inputs.pop("segment_ids")
+    steps = jnp.arange(case.seq_len).reshape((1, -1) + (1,) * (inputs["g"].ndim - 2))
+    inputs["g"] = jnp.where(steps == 40, -jnp.inf, inputs["g"])
+    before = (jnp.arange(case.seq_len) < 40).reshape(1, -1, 1, 1)
+    changed = dict(inputs, k=jnp.where(before, -inputs["k"], inputs["k"]),
+                   v=jnp.where(before, 2 * inputs["v"] + 1, inputs["v"]),
+                   initial_state=inputs["initial_state"] + 1)
+    run = jax.jit(functools.partial(ops.delta_rule, output_final_state=True, mode=mode,
+                                    use_qk_l2norm=True))
+    o, state = run(**inputs)
+    o2, state2 = run(**changed)
+    np.testing.assert_array_equal(np.asarray(o[:, 40:]), np.asarray(o2[:, 40:]))
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(state2))
+    assert not np.array_equal(np.asarray(o[:, :40]), np.asarray(o2[:, :40]))
+
+
+def test_grouped_value_heads_read_their_query_and_key_head():
+    """H = 2, HV = 6: the same as q and k repeated to six heads."""
+    case = C(1, 40, 2, 6, 16, 8, gate="key", initial_state=True)
+    inputs = make_delta_rule_inputs(case, jax.random.key(3))
+    inputs.pop("segment_ids")
+    repeated = {**inputs, **{n: jnp.repeat(inputs[n], 3, axis=2) for n in ("q", "k")}}
+    for mode in ("chunk", "fused_recurrent"):
+        run = jax.jit(functools.partial(ops.delta_rule, output_final_state=True, mode=mode,
+                                        use_qk_l2norm=True))
+        for x, y in zip(run(**inputs), run(**repeated)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+
+
+def test_float64_inputs_compute_in_float64():
+    """float64 inputs (under jax_enable_x64): float64 outputs, states and gradients that agree with
+    the float64 recurrence to 1e-10 (mode "chunk"; "fused_recurrent" runs the same scan as the
+    reference)."""
+    case = C(1, 40, 1, 2, 8, 8, gate="key", gate_law="kimi", initial_state=True, segments=True)
+    key = jax.random.key(4)
+    inputs = make_delta_rule_inputs(case, key)
+    with jax.enable_x64(True):
+        for n in ("q", "k", "v", "beta", "g", "initial_state"):
+            inputs[n] = jnp.asarray(np.asarray(inputs[n], np.float64))
+        ours, reference = _run_all(inputs, key, mode="chunk")
+    o, final = ours[0]
+    assert o.dtype == final.dtype == np.float64
+    for name, x, ref in zip(("o", "final"), ours[0], reference[0]):
+        assert np.linalg.norm(x - ref) <= 1e-10 * np.linalg.norm(ref), name
+    for name, grad in ours[1].items():
+        ref = reference[1][name]
+        assert grad.dtype == np.float64
+        assert np.linalg.norm(grad - ref) <= 1e-10 * np.linalg.norm(ref), name
+
+
+# The xla backend over shapes hypothesis draws from menus of awkward sizes.
+@st.composite
+def _problems(draw):
+    hv, h = draw(st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]))
+    case = C(batch=draw(st.integers(1, 2)), seq_len=draw(st.sampled_from([1, 7, 63, 65, 100])),
+             num_heads=h, num_value_heads=hv, key_dim=draw(st.sampled_from([8, 16, 32])),
+             value_dim=draw(st.sampled_from([8, 24])),
+             gate=draw(st.sampled_from(["none", "head", "key"])),
+             gate_law=draw(st.sampled_from(["logsigmoid", "kimi"])),
+             initial_state=draw(st.booleans()), segments=draw(st.booleans()),
+             output_final_state=draw(st.booleans()), use_qk_l2norm=draw(st.booleans()))
+    return case, draw(st.sampled_from([F32, BF16]))
+
+
+@budget(3)
+@given(problem=_problems(), mode=st.sampled_from(["chunk", "fused_recurrent"]),
+       chunk_size=st.sampled_from([64, 128]))
+def test_xla_hypothesis(problem, mode, chunk_size):
+    case, dtype = problem
+    check_delta_rule_parity(case, dtype=dtype, mode=mode, chunk_size=chunk_size, backend="xla")
+
+
+# Backends: "xla" only, for now.
+
+
+X = jnp.ones((1, 8, 2, 16), jnp.float32)
+BETA = jnp.full((1, 8, 2), 0.5, jnp.float32)
+
+
+def test_auto_on_cpu_runs_xla_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = ops.delta_rule(X, X, X, BETA, output_final_state=True)
+    xla = ops.delta_rule(X, X, X, BETA, output_final_state=True, backend="xla")
+    for a, b in zip(auto, xla):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "pallas_gpu"])
+def test_kernel_backends_are_not_yet_available(backend):
+    with pytest.raises(NotImplementedError,
+                       match=f"'{backend}' backend is not yet available for delta_rule; "
+                             "backend='xla' takes it"):
+        ops.delta_rule(X, X, X, BETA, backend=backend, interpret=True)
+
+
+@pytest.mark.parametrize("platform,kernel", [("tpu", "mosaic_tpu"), ("gpu", "pallas_gpu")])
+def test_auto_on_tpu_and_gpu_warns_once_and_runs_xla(monkeypatch, platform, kernel):
+    monkeypatch.setattr(backends, "default_platform", lambda: platform)
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(ops.BackendFallbackWarning,
+                      match=f"from '{kernel}' to 'xla'.*not yet available for delta_rule"):
+        o, _ = ops.delta_rule(X, X, X, BETA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o2, _ = ops.delta_rule(X, X, X, BETA)  # warned once
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
+
+
+def test_capabilities_table_renders():
+    from gla_tpu.ops.common.capabilities import backend_table
+
+    table = backend_table(backends.capabilities("delta_rule"))
+    assert table.splitlines()[0].startswith("| backend | platform | dtypes | K | V | modes |")
+    assert "| `xla` | any (plain JAX) |" in table and "| yes | yes | yes | yes |" in table
+
+
+# The fla-named aliases.
+
+
+ALIASES = [  # (alias, mode, gate kind)
+    (ops.chunk_delta_rule, "chunk", "none"),
+    (ops.chunk_gated_delta_rule, "chunk", "head"),
+    (ops.chunk_kda, "chunk", "key"),
+    (ops.fused_recurrent_delta_rule, "fused_recurrent", "none"),
+    (ops.fused_recurrent_gated_delta_rule, "fused_recurrent", "head"),
+    (ops.fused_recurrent_kda, "fused_recurrent", "key"),
+]
+GATES = {"none": None, "head": -jnp.ones((1, 8, 2)), "key": -jnp.ones((1, 8, 2, 16))}
+
+
+@pytest.mark.parametrize("alias,mode,gate", ALIASES, ids=lambda x: getattr(x, "__name__", x))
+def test_aliases_fix_mode_and_take_fla_argument_order(monkeypatch, alias, mode, gate):
+    """Each alias calls delta_rule with its mode and fla's positional order (q, k, v, beta) or
+    (q, k, v, g, beta); a mode raises ValueError (a gate of another variant too:
+    test_errors.py)."""
+    calls = []
+    monkeypatch.setattr(delta_rule_api, "delta_rule",
+                        lambda *args, **kwargs: calls.append((args, kwargs)))
+    g = GATES[gate]
+    args = (X, X, X, BETA) if g is None else (X, X, X, g, BETA)
+    alias(*args, output_final_state=True)
+    (got, kwargs), = calls
+    assert got[3] is BETA and (got[4] if len(got) > 4 else kwargs.get("g")) is g
+    assert kwargs["mode"] == mode and kwargs["output_final_state"] is True
+    fixed = f"mode is fixed to {mode!r} by {alias.__name__}"
+    with pytest.raises(ValueError, match=re.escape(fixed)):
+        alias(*args, mode="chunk")
+    assert len(calls) == 1
