@@ -1,8 +1,12 @@
-"""The main job: time softmax attention and the GLA variants on whatever device is present.
+"""The main job: time softmax attention, the GLA variants and the delta rules on whatever device is
+present.
 
-For each variant (softmax flash attention; GLA with per-key, per-head and no gate; each GLA mode)
-it first checks numerics against the float64 reference at a small size, then times forward and
-forward+backward at the benchmark size, prints a table and writes JSON.
+For each variant (softmax flash attention; GLA with per-key, per-head and no gate; each GLA mode;
+DeltaNet, Gated DeltaNet and KDA) it first checks numerics against the float64 reference at a
+small size, then times forward and forward+backward at the benchmark size, prints a table and
+writes JSON. Inputs are drawn as the peers' benchmarks draw them: q, k, v ~ N(0, 1),
+g = logsigmoid(N(0, 1)), and for the delta rules beta = sigmoid(N(0, 1)) with q and k
+l2-normalized inside the op (`use_qk_l2norm`, fla's benchmarks' `use_qk_l2norm_in_kernel`).
 
     python -m bench.attention_variants                 # sizes picked for the device
     python -m bench.attention_variants --seq-len 2048 --json out.json
@@ -21,16 +25,27 @@ import jax.numpy as jnp
 from gla_tpu.ops.common import flops as flops_lib
 from bench import harness
 from gla_tpu import ops
-from gla_tpu.testing import AttentionCase, GLACase, make_attention_inputs, make_gla_inputs
-from gla_tpu.testing.parity import check_attention_parity, check_gla_parity
+from gla_tpu.testing import (
+    AttentionCase,
+    DeltaRuleCase,
+    GLACase,
+    make_attention_inputs,
+    make_delta_rule_inputs,
+    make_gla_inputs,
+)
+from gla_tpu.testing.parity import (
+    check_attention_parity,
+    check_delta_rule_parity,
+    check_gla_parity,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    op: str  # "softmax" or "gla"
-    gate: str = "none"  # GLA gate kind
-    mode: str = "chunk"  # GLA mode
+    op: str  # "softmax", "gla" or "delta_rule"
+    gate: str = "none"  # GLA / delta-rule gate kind
+    mode: str = "chunk"  # GLA / delta-rule mode
 
 
 VARIANTS = (
@@ -40,6 +55,9 @@ VARIANTS = (
     Variant("gla fused_recurrent", "gla", "key", "fused_recurrent"),
     Variant("simple_gla chunk", "gla", "head", "chunk"),
     Variant("linear_attn chunk", "gla", "none", "chunk"),
+    Variant("deltanet chunk", "delta_rule", "none", "chunk"),
+    Variant("gated_deltanet chunk", "delta_rule", "head", "chunk"),
+    Variant("kda chunk", "delta_rule", "key", "chunk"),
 )
 
 
@@ -72,6 +90,21 @@ def build(variant: Variant, size: Size, dtype, backend: str):
         fwd = functools.partial(ops.flash_attention, causal=True, backend=backend)
         fl = functools.partial(flops_lib.attention_flops, size.batch, size.seq_len,
                                size.seq_len, size.heads, size.head_dim, causal=True)
+    elif variant.op == "delta_rule":
+        case = DeltaRuleCase(size.batch, size.seq_len, size.heads, size.heads, size.head_dim,
+                             size.head_dim, gate=variant.gate, use_qk_l2norm=True)
+        inputs = make_delta_rule_inputs(case, key, dtype)
+        # beta = sigmoid(N(0, 1)), as fla's benchmarks draw it
+        beta = jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 2),
+                                                inputs["beta"].shape, jnp.float32))
+        args = (inputs["q"], inputs["k"], inputs["v"], beta, inputs["g"])
+
+        def fwd(q, k, v, beta, g):
+            return ops.delta_rule(q, k, v, beta, g, use_qk_l2norm=True, mode=variant.mode,
+                                  backend=backend)[0]
+
+        fl = functools.partial(flops_lib.delta_rule_flops, size.batch, size.seq_len, size.heads,
+                               size.head_dim, size.head_dim)
     else:
         case = GLACase(size.batch, size.seq_len, size.heads, size.head_dim, size.head_dim,
                        gate=variant.gate)
@@ -97,6 +130,10 @@ def check_numerics(variant: Variant, dtype, backend: str) -> None:
     if variant.op == "softmax":
         case = AttentionCase(1, 160, 160, 2, 2, 64, causal=True)
         check_attention_parity(case, key, dtype=dtype, backend=backend)
+    elif variant.op == "delta_rule":
+        case = DeltaRuleCase(1, 160, 2, 2, 64, 64, gate=variant.gate, initial_state=True,
+                             use_qk_l2norm=True)
+        check_delta_rule_parity(case, key, dtype=dtype, mode=variant.mode, backend=backend)
     else:
         case = GLACase(1, 160, 2, 64, 64, gate=variant.gate, initial_state=True)
         check_gla_parity(case, key, dtype=dtype, mode=variant.mode, backend=backend)
@@ -114,7 +151,7 @@ def run(size: Size, dtype, backend: str, variants, repeats: int, budget_ms: floa
             tokens = size.batch * size.seq_len
             records.append({
                 "variant": variant.name, "op": variant.op, "gate": variant.gate,
-                "mode": variant.mode if variant.op == "gla" else "flash",
+                "mode": "flash" if variant.op == "softmax" else variant.mode,
                 "direction": direction,
                 "shape": f"B{size.batch} T{size.seq_len} H{size.heads} D{size.head_dim}",
                 "dtype": jnp.dtype(dtype).name, "backend": backend,

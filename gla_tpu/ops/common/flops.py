@@ -18,6 +18,9 @@ import numpy as np
 
 FWD_BWD_FACTOR_ATTENTION = 3.5
 FWD_BWD_FACTOR_GLA = 3.0
+# The chunked delta rule's backward holds about 2.5x its forward's products
+# (docs/delta_rule_math.md, "Cost per chunk").
+FWD_BWD_FACTOR_DELTA_RULE = 3.5
 
 
 def causal_visible_fraction(q_len: int, kv_len: int) -> float:
@@ -49,3 +52,16 @@ def gla_flops(batch, seq_len, heads, key_dim, value_dim, *, chunk_size=64, backw
     per_token = chunk_size * key_dim + chunk_size * value_dim + 4.0 * key_dim * value_dim
     flops = batch * heads * seq_len * per_token
     return flops * (FWD_BWD_FACTOR_GLA if backward else 1.0)
+
+
+
+def delta_rule_flops(batch, seq_len, value_heads, key_dim, value_dim, *, chunk_size=64,
+                     backward=False):
+    """Chunked delta rule (docs/delta_rule_math.md), per value head and token: the chunk's
+    k k^T and q k^T (2 C K), the triangular solve for u0 and w (C (K + V)), the intra-chunk
+    output (C V), and u = u0 - w S, q S, k^T u (3 K V), each a multiply-add; forward, or
+    forward+backward (3.5 x) when `backward`."""
+    c, kd, vd = chunk_size, key_dim, value_dim
+    per_token = 2.0 * (2 * c * kd + c * (kd + vd) + c * vd + 3 * kd * vd)
+    flops = batch * value_heads * seq_len * per_token
+    return flops * (FWD_BWD_FACTOR_DELTA_RULE if backward else 1.0)
