@@ -11,6 +11,7 @@ than a TPU host's, so ratios to JAX's kernel are what carries over.
 
     python -m bench.tpu_compile_time --out DIR [--generations v5e,v6e] [--heads 8,16,32,64]
                                      [--head-dims 64,128,256] [--passes fwd,fwd_bwd]
+                                     [--batch 1] [--seq-len 4096] [--full] [--ours-only]
 
 writes DIR/tpu_compile_time.json and DIR/tpu_compile_time.md (ours, JAX's flash_attention at its
 default blocks and at blocks 512 and 1024, and the ratios). Nothing else should run on the host
@@ -95,10 +96,11 @@ def _child_env() -> dict:
     return env
 
 
-def specs_for(generations, heads, head_dims, passes, t: int, causal: bool) -> list[Spec]:
-    return [Spec("attention", impl, (1, h, t, d, causal), gen, p, options)
+def specs_for(generations, heads, head_dims, passes, t: int, causal: bool, batch: int = 1,
+              impls=IMPLS) -> list[Spec]:
+    return [Spec("attention", impl, (batch, h, t, d, causal), gen, p, options)
             for gen in generations for p in passes for d in head_dims for h in heads
-            for impl, options in IMPLS]
+            for impl, options in impls]
 
 
 def write_table(records: list[dict], path: pathlib.Path, env: dict) -> None:
@@ -135,6 +137,8 @@ def main(argv=None) -> None:
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--passes", default="fwd,fwd_bwd")
     parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--ours-only", action="store_true", help="no JAX kernel")
     parser.add_argument("--full", action="store_true", help="no causal mask (default: causal)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=900)
@@ -148,7 +152,8 @@ def main(argv=None) -> None:
         return
     specs = specs_for(args.generations.split(","), [int(h) for h in args.heads.split(",")],
                       [int(d) for d in args.head_dims.split(",")], args.passes.split(","),
-                      args.seq_len, not args.full)
+                      args.seq_len, not args.full, args.batch,
+                      IMPLS[:1] if args.ours_only else IMPLS)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []

@@ -151,7 +151,7 @@ def _our_attention_blocks(opts: dict):
     """Our BlockSizes from a spec's ("blocks", [[field, value], ...]) or ("defaults_with", ...)
     option (both the same): the fields given, every other one None, i.e. the op's default for the
     generation and the problem; None = defaults. Older records read these options otherwise
-    (docs/benchmarks.md, "TPU: libtpu's static cycle estimate")."""
+    (docs/tpu_static_estimate.md)."""
     from gla_tpu.ops.attention.mosaic_tpu import plan
 
     fields = opts.get("defaults_with", opts.get("blocks"))
@@ -164,7 +164,7 @@ def _attention_backward_program(spec: Spec):
     (and at D = 64 their outputs' transposes).
     libtpu's profiler aborts on our kernels where XLA places their outputs in VMEM, as it does
     inside a whole forward+backward program; here the kernels' outputs are the program's
-    (docs/benchmarks.md, "What the profiler cannot take")."""
+    (docs/tpu_static_estimate.md, "What the profiler cannot take")."""
     import jax
     import jax.numpy as jnp
 

@@ -322,7 +322,7 @@ def test_gla_compiles(mode, name, generation):
 
 
 # BlockSizes(profiler_safe=True), the kernels libtpu's static profiler takes on v5e and v5p
-# (docs/benchmarks.md, "`BlockSizes(profiler_safe=True)`"): forward+backward at the shape it was
+# (docs/tpu_static_estimate.md, "`BlockSizes(profiler_safe=True)`"): forward+backward at the shape it was
 # profiled at, per-key chunk on v5e by default, the rest in --full.
 @pytest.mark.parametrize("mode,generation,gate", [
     ("chunk", "v5e", "key"),

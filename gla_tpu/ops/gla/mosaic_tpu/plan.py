@@ -62,7 +62,7 @@ class BlockSizes:
         libtpu folds into masked MXU pushes (and a bfloat16 round trip). The same values;
         libtpu's static profiler (`bench.tpu_static`) takes these kernels' forward+backward on
         v5e and v5p only so, and they cost about 0.5% more cycles by its estimate on v6e
-        (docs/benchmarks.md, "`BlockSizes(profiler_safe=True)`"). Off by default.
+        (docs/tpu_static_estimate.md, "`BlockSizes(profiler_safe=True)`"). Off by default.
 
     Example:
       >>> BlockSizes(block_v=128, block_t_recurrent=32)  # doctest: +ELLIPSIS
