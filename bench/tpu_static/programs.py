@@ -41,9 +41,10 @@ def clock_ghz(generation: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    op: str  # "attention" or "gla"
+    op: str  # "attention", "gla" or "delta_rule"
     impl: str
-    shape: tuple  # attention (B, H, T, D, causal); gla (B, T, H, K, V, gate, mode)
+    shape: tuple  # attention (B, H, T, D, causal); gla (B, T, H, K, V, gate, mode);
+    #               delta_rule (B, T, H, HV, K, V, gate)
     generation: str
     passes: str  # "fwd", "fwd_bwd"; "bwd": part of our attention's fwd_bwd
     options: tuple = ()  # (name, value) pairs, e.g. JAX flash block sizes
@@ -78,12 +79,15 @@ JAX_FLASH_BTHD_BLOCKS = (512, 1024)
 
 
 def _flops(spec: Spec) -> float:
-    from gla_tpu.ops.common.flops import attention_flops, gla_flops
+    from gla_tpu.ops.common.flops import attention_flops, delta_rule_flops, gla_flops
 
     backward = spec.passes == "fwd_bwd"
     if spec.op == "attention":
         b, h, t, d, causal = spec.shape
         return attention_flops(b, t, t, h, d, causal=causal, backward=backward)
+    if spec.op == "delta_rule":
+        b, t, _, hv, kd, vd, _ = spec.shape
+        return delta_rule_flops(b, t, hv, kd, vd, backward=backward)
     b, t, h, kd, vd = spec.shape[:5]
     return gla_flops(b, t, h, kd, vd, backward=backward)
 
@@ -244,13 +248,63 @@ def _gla_program(spec: Spec):
     return fn, (q, q, v, g)
 
 
+# The delta rule's shapes (B, T, H, HV, K, V, gate): Qwen3.5 GDN, Qwen3-Next GDN (HV = 2H), KDA
+# and DeltaNet at K = V = 128, the sizes deltanet-tpu takes.
+DELTA_RULE_SHAPES = [(1, 8192, 16, 16, 128, 128, "head"), (1, 8192, 16, 32, 128, 128, "head"),
+                     (1, 8192, 32, 32, 128, 128, "key"), (1, 8192, 16, 16, 128, 128, "none")]
+
+
+def _delta_rule_program(spec: Spec):
+    """The delta rule of shape (B, T, H, HV, K, V, gate), mode "chunk": ours (mosaic_tpu, chunk
+    64, q and k l2-normalized in the op) or deltanet-tpu's chunk_gdn / chunk_kda /
+    chunk_delta_rule (chunk 128, precision "bf16", qk_l2norm)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gla_tpu import ops
+
+    b, t, h, hv, kd, vd, gate = spec.shape
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    q = jax.ShapeDtypeStruct((b, t, h, kd), bf16)
+    v = jax.ShapeDtypeStruct((b, t, hv, vd), bf16)
+    beta = jax.ShapeDtypeStruct((b, t, hv), f32)
+    g = {"key": jax.ShapeDtypeStruct((b, t, hv, kd), f32),
+         "head": jax.ShapeDtypeStruct((b, t, hv), f32), "none": None}[gate]
+    if spec.impl == "gla_tpu":
+        sizes = None
+        if dict(spec.options).get("profiler_safe"):
+            from gla_tpu.ops.delta_rule.mosaic_tpu import BlockSizes
+
+            sizes = BlockSizes(profiler_safe=True)
+
+        def fn(q, k, v, beta, *g_):
+            return ops.delta_rule(q, k, v, beta, *g_, mode="chunk", use_qk_l2norm=True,
+                                  backend="mosaic_tpu", block_sizes=sizes)[0]
+    elif spec.impl == "deltanet_tpu":
+        import deltanet_tpu
+
+        common = dict(chunk_size=128, precision="bf16", qk_l2norm=True)
+        if gate == "none":
+            def fn(q, k, v, beta):
+                return deltanet_tpu.chunk_delta_rule(q, k, v, beta, **common)
+        else:
+            peer = deltanet_tpu.chunk_kda if gate == "key" else deltanet_tpu.chunk_gdn
+
+            def fn(q, k, v, beta, g_):
+                return peer(q, k, v, g_, beta, **common)
+    else:
+        raise ValueError(f"unknown delta_rule impl {spec.impl!r}")
+    return fn, (q, q, v, beta) + (() if g is None else (g,))
+
+
 def _program(spec: Spec):
     """`spec`'s program and its abstract arguments: (fn, (jax.ShapeDtypeStruct, ...)); a
     forward+backward program is the gradient of a loss of the forward's output."""
     import jax
     import jax.numpy as jnp
 
-    fn, args = (_attention_program if spec.op == "attention" else _gla_program)(spec)
+    fn, args = {"attention": _attention_program, "gla": _gla_program,
+                "delta_rule": _delta_rule_program}[spec.op](spec)
     if dict(spec.options).get("inside_projections"):
         fn, args = _inside_projections(spec, fn, args)
     if spec.passes == "fwd_bwd":

@@ -117,6 +117,10 @@ def _shape_label(op: str, shape: tuple) -> str:
         b, t, h, k, v, gate, mode = shape
         step = "decode" if t == 1 else f"T{t}"
         return f"B{b} {step} H{h} K{k} V{v}\n{gate} gates, {mode}"
+    if op == "delta_rule" and len(shape) == 7:
+        b, t, h, hv, k, v, gate = shape
+        variant = {"none": "DeltaNet", "head": "Gated DeltaNet", "key": "KDA"}[gate]
+        return f"B{b} T{t} H{h} HV{hv} K{k} V{v}\n{variant}"
     return "x".join(map(str, shape))
 
 

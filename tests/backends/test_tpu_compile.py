@@ -364,6 +364,55 @@ def test_gla_decode_step_compiles(generation):
     assert expected <= compiled.memory_analysis().output_size_in_bytes <= 1.01 * expected
 
 
+# The delta rule (mode "chunk", chunk 64): name -> (gate, B, T, H, HV, K, V), with beta, an
+# initial state and a final state; forward+backward and forward only. The shapes at
+# T = 4096 (Qwen3.5 GDN H16 HV16, Qwen3-Next GDN H16 HV32, KDA H32, DeltaNet H16), and K, V of
+# 64 and 256.
+DELTA_RULE = {
+    "head-B1-T4096-H16-HV16-K128-V128": ("head", 1, 4096, 16, 16, 128, 128),
+    "head-B1-T4096-H16-HV32-K128-V128": ("head", 1, 4096, 16, 32, 128, 128),
+    "key-B1-T4096-H32-HV32-K128-V128": ("key", 1, 4096, 32, 32, 128, 128),
+    "none-B1-T4096-H16-HV16-K128-V128": ("none", 1, 4096, 16, 16, 128, 128),
+    "key-B2-T2048-H8-HV8-K64-V64": ("key", 2, 2048, 8, 8, 64, 64),
+    "key-B1-T2048-H4-HV8-K256-V256": ("key", 1, 2048, 4, 8, 256, 256),
+}
+# Default run: every config on one generation, every generation, each pass on every gate kind.
+DELTA_RULE_DEFAULT = {
+    "head-B1-T4096-H16-HV16-K128-V128": {"fwd_bwd": ("v5e",), "fwd": ("v6e",)},
+    "head-B1-T4096-H16-HV32-K128-V128": {"fwd_bwd": ("v6e",), "fwd": ("v5e",)},
+    "key-B1-T4096-H32-HV32-K128-V128": {"fwd_bwd": ("v5p",), "fwd": ("7x",)},
+    "none-B1-T4096-H16-HV16-K128-V128": {"fwd_bwd": ("7x",), "fwd": ("v4",)},
+    "key-B2-T2048-H8-HV8-K64-V64": {"fwd_bwd": ("v4",), "fwd": ()},
+    "key-B1-T2048-H4-HV8-K256-V256": {"fwd_bwd": ("v4",), "fwd": ()},
+}
+
+
+def _delta_rule_args(gate, b, t, h, hv, kd, vd):
+    gshape = {"key": (b, t, hv, kd), "head": (b, t, hv), "none": None}[gate]
+    args = [jax.ShapeDtypeStruct((b, t, h, kd), BF16), jax.ShapeDtypeStruct((b, t, h, kd), BF16),
+            jax.ShapeDtypeStruct((b, t, hv, vd), BF16), jax.ShapeDtypeStruct((b, t, hv), F32),
+            jax.ShapeDtypeStruct((b, hv, kd, vd), F32)]
+    if gshape is not None:
+        args.append(jax.ShapeDtypeStruct(gshape, F32))
+    return tuple(args)
+
+
+def _delta_rule(q, k, v, beta, s0, g=None):
+    return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                          use_qk_l2norm=True, mode="chunk", backend="mosaic_tpu")
+
+
+@pytest.mark.parametrize("name,generation,passes", [
+    pytest.param(n, gen, p, id=f"{n}-{gen}-{p}",
+                 marks=() if gen in DELTA_RULE_DEFAULT[n][p] else FULL)
+    for n in DELTA_RULE for gen in TPU_GENERATIONS for p in ("fwd_bwd", "fwd")])
+def test_delta_rule_compiles(name, generation, passes):
+    gate, *shape = DELTA_RULE[name]
+    args = _delta_rule_args(gate, *shape)
+    fn = _delta_rule if passes == "fwd" else _grad_of_sum(_delta_rule, tuple(range(len(args))))
+    assert compile_for_tpu(fn, *args, generation=generation) is not None
+
+
 # The harness itself.
 
 

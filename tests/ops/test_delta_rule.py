@@ -1,11 +1,12 @@
-"""delta_rule (DeltaNet, Gated DeltaNet, KDA) on its one backend today, "xla", against the float64
-token recurrence (`delta_rule_recurrent_jax`, itself checked against the NumPy references in
-test_delta_rule_references.py).
+"""delta_rule (DeltaNet, Gated DeltaNet, KDA) on its backends, "xla" and "mosaic_tpu" (TPU
+interpret mode on CPU), against the float64 token recurrence (`delta_rule_recurrent_jax`, itself
+checked against the NumPy references in test_delta_rule_references.py).
 
 The "xla" backend has no baseline below it: it is held to the fixed bounds of
 tolerance.XLA_MAX_RELATIVE_RMS (float32: 1e-5 relative RMS error) for outputs, final state and
-every gradient (dq, dk, dv, dbeta, dg, d initial_state) through one scalar loss. The Pallas
-backends are planned: "auto" runs "xla" on every platform and a named kernel backend raises.
+every gradient (dq, dk, dv, dbeta, dg, d initial_state) through one scalar loss. "mosaic_tpu" is
+held to the pass rule against "xla" on the same inputs. "pallas_gpu" is planned: "auto" runs
+"xla" on a GPU and naming it raises.
 """
 
 from __future__ import annotations
@@ -100,13 +101,58 @@ def test_xla_against_float64_recurrence(case, dtype, mode, chunk_size):
     check_delta_rule_parity(case, dtype=dtype, mode=mode, chunk_size=chunk_size, backend="xla")
 
 
-def _run_all(inputs, key, *, mode, use_qk_l2norm=True):
-    """(xla outputs and grads, float64 reference outputs and grads) for the same inputs."""
+# The "mosaic_tpu" kernels (mode "chunk", K and V in {64, 128, 256}) in TPU interpret mode,
+# NaN-filled buffers: each variant, grouped value heads (H = 1, HV = 2; H = 2, HV = 4), K != V,
+# beta in (0, 2), segments, initial and final states, Kimi and strong (x16) gates, both dtypes,
+# T a chunk and one token, two chunks and two tokens.
+KERNEL_CASES = {
+    "none-T100-gva-seg-f32": (C(1, 100, 1, 2, 64, 64, gate="none", initial_state=True,
+                                segments=True), F32),
+    "head-kimi-T130-K64-V128-bf16": (C(1, 130, 2, 4, 64, 128, gate="head", gate_law="kimi",
+                                       initial_state=True, segments=True), BF16),
+    "key-kimi-T65-seg-bf16": (C(1, 65, 1, 2, 64, 64, gate="key", gate_law="kimi",
+                                initial_state=True, segments=True), BF16),
+    "key-strong-T130-f32": (C(1, 130, 1, 2, 64, 64, gate="key", gate_strength=16.0,
+                              initial_state=True, segments=True), F32),
+}
+
+
+def _full_kernel_cases():
+    """--full: every gate kind and law in both dtypes, K, V in {64, 128, 256}, unit keys."""
+    cases = {}
+    dims = ((128, 64), (64, 256), (256, 128))
+    i = 0
+    for gate in ("none", "head", "key"):
+        for law in ("logsigmoid",) if gate == "none" else ("logsigmoid", "kimi"):
+            for dtype in (F32, BF16):
+                kd, vd = dims[i % len(dims)]
+                name = f"{gate}-{law}-K{kd}-V{vd}-{jnp.dtype(dtype).name}"
+                cases[name] = (C(2, 129, 2, 4, kd, vd, gate=gate, gate_law=law,
+                                 initial_state=True, segments=i % 2 == 0,
+                                 use_qk_l2norm=i % 3 != 0), dtype)
+                i += 1
+    return cases
+
+
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(case, dtype, id=name) for name, (case, dtype) in KERNEL_CASES.items()] + [
+    pytest.param(case, dtype, id=name, marks=pytest.mark.full)
+    for name, (case, dtype) in _full_kernel_cases().items()])
+def test_mosaic_tpu_against_float64_recurrence(case, dtype):
+    check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="mosaic_tpu",
+                            interpret=True)
+
+
+def _run_all(inputs, key, *, mode, use_qk_l2norm=True, backend="xla"):
+    """(outputs and grads of `backend`, float64 reference outputs and grads) for the same
+    inputs."""
     seg = inputs.pop("segment_ids")
     ct_key = jax.random.fold_in(key, 1)
     common = dict(output_final_state=True, segment_ids=seg, use_qk_l2norm=use_qk_l2norm)
     ours = outputs_and_grads(functools.partial(ops.delta_rule, **common, mode=mode,
-                                               backend="xla"), inputs, ct_key)
+                                               backend=backend,
+                                               interpret=backend == "mosaic_tpu"),
+                             inputs, ct_key)
     reference = outputs_and_grads(functools.partial(ops.delta_rule_reference, **common), inputs,
                                   ct_key, float64=True)
     return ours, reference
@@ -115,15 +161,21 @@ def _run_all(inputs, key, *, mode, use_qk_l2norm=True):
 # fused_recurrent with per-head gates runs the per-key scan with one gate per head: --full only
 MODES_GATES = [("chunk", "head"), ("chunk", "key"), ("fused_recurrent", "key"),
                pytest.param("fused_recurrent", "head", marks=pytest.mark.full)]
+# The "mosaic_tpu" kernels (interpret mode) at K = V = 64, the smallest they take.
+MOSAIC_GATES = [("chunk", "key", "mosaic_tpu"),
+                pytest.param("chunk", "head", "mosaic_tpu", marks=pytest.mark.full)]
 
 
-@pytest.mark.parametrize("mode,gate", MODES_GATES)
-def test_gates_of_minus_1000_and_minus_inf(mode, gate):
+@pytest.mark.parametrize("mode,gate,backend", [
+    ("chunk", "head", "xla"), ("chunk", "key", "xla"), ("fused_recurrent", "key", "xla"),
+    pytest.param("fused_recurrent", "head", "xla", marks=pytest.mark.full), *MOSAIC_GATES])
+def test_gates_of_minus_1000_and_minus_inf(mode, gate, backend):
     """g = -1e3 at some steps (three in one chunk, then weak gates: the chunk's running sums reach
     -300, where float32 differences of them would cost 3e-5 relative in the weak decays after)
     and -inf at others (two in a row, a chunk's first and last token): finite outputs and
     gradients within the float32 bound, dg included (0 where the gate cuts the state)."""
-    case = C(1, 130, 2, 4, 16, 24, gate=gate, gate_strength=16.0, initial_state=True,
+    kd, vd = (16, 24) if backend == "xla" else (64, 64)
+    case = C(1, 130, 2, 4, kd, vd, gate=gate, gate_strength=16.0, initial_state=True,
              segments=True)
     key = jax.random.key(case_seed(case, "strong"))
     inputs = make_delta_rule_inputs(case, key)
@@ -131,7 +183,7 @@ def test_gates_of_minus_1000_and_minus_inf(mode, gate):
     strong, cut = jnp.isin(steps, jnp.array([5, 9, 17, 80])), jnp.isin(steps, jnp.array(
         [40, 41, 64, 127]))
     inputs["g"] = jnp.where(strong, -1e3, jnp.where(cut, -jnp.inf, inputs["g"]))
-    ours, reference = _run_all(inputs, key, mode=mode)
+    ours, reference = _run_all(inputs, key, mode=mode, backend=backend)
     for leaf in jax.tree_util.tree_leaves(ours):
         assert np.all(np.isfinite(leaf))
     assert np.all(np.asarray(ours[1]["g"])[np.broadcast_to(cut, inputs["g"].shape)] == 0.0)
@@ -216,7 +268,7 @@ def test_xla_hypothesis(problem, mode, chunk_size):
     check_delta_rule_parity(case, dtype=dtype, mode=mode, chunk_size=chunk_size, backend="xla")
 
 
-# Backends: "xla" only, for now.
+# Backends: which takes what.
 
 
 X = jnp.ones((1, 8, 2, 16), jnp.float32)
@@ -232,20 +284,38 @@ def test_auto_on_cpu_runs_xla_without_warning():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("backend", ["mosaic_tpu", "pallas_gpu"])
-def test_kernel_backends_are_not_yet_available(backend):
+def test_pallas_gpu_is_not_yet_available():
     with pytest.raises(NotImplementedError,
-                       match=f"'{backend}' backend is not yet available for delta_rule; "
+                       match="'pallas_gpu' backend is not yet available for delta_rule; "
                              "backend='xla' takes it"):
-        ops.delta_rule(X, X, X, BETA, backend=backend, interpret=True)
+        ops.delta_rule(X, X, X, BETA, backend="pallas_gpu", interpret=True)
 
 
-@pytest.mark.parametrize("platform,kernel", [("tpu", "mosaic_tpu"), ("gpu", "pallas_gpu")])
-def test_auto_on_tpu_and_gpu_warns_once_and_runs_xla(monkeypatch, platform, kernel):
+X64 = jnp.ones((1, 32, 1, 64), jnp.float32)
+BETA64 = jnp.full((1, 32, 1), 0.5, jnp.float32)
+
+
+@pytest.mark.parametrize("x,kwargs,reason", [
+    (X, {}, "takes K 64, 128, 256; got K=16"),
+    (X64, {"mode": "fused_recurrent"}, "takes mode chunk; got mode='fused_recurrent'"),
+    (X64, {"chunk_size": 128}, "runs chunk_size 64; got chunk_size=128"),
+    (X64.astype(jnp.float16), {}, "takes bfloat16, float32 q, k, v; got float16"),
+], ids=["K16", "fused_recurrent", "chunk128", "float16"])
+def test_mosaic_tpu_refuses_what_it_cannot_take(x, kwargs, reason):
+    beta = BETA if x.shape[-1] == 16 else BETA64
+    with pytest.raises(NotImplementedError,
+                       match=re.escape(f"the 'mosaic_tpu' delta_rule {reason}. backend='xla' "
+                                       "takes it.")):
+        ops.delta_rule(x, x, x, beta, backend="mosaic_tpu", interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("platform,kernel,why", [
+    ("tpu", "mosaic_tpu", "takes K 64, 128, 256"),
+    ("gpu", "pallas_gpu", "not yet available for delta_rule")])
+def test_auto_on_tpu_and_gpu_warns_once_and_runs_xla(monkeypatch, platform, kernel, why):
     monkeypatch.setattr(backends, "default_platform", lambda: platform)
     monkeypatch.setattr(backends, "_warned", set())
-    with pytest.warns(ops.BackendFallbackWarning,
-                      match=f"from '{kernel}' to 'xla'.*not yet available for delta_rule"):
+    with pytest.warns(ops.BackendFallbackWarning, match=f"from '{kernel}' to 'xla'.*{why}"):
         o, _ = ops.delta_rule(X, X, X, BETA)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -145,7 +145,7 @@ DELTA_RULE_BAD = [
     ({"chunk_size": 32}, ValueError, r"chunk_size must be one of \(64, 128, None\); got 32"),
     ({"backend": "triton"}, ValueError, r"backend must be one of .*'triton'"),
     ({"backend": "xla", "block_sizes": object()}, NotImplementedError, r"'xla' backend takes None"),
-    ({"backend": "mosaic_tpu"}, NotImplementedError, r"'mosaic_tpu' backend is not yet available for delta_rule; backend='xla' takes it"),
+    ({"backend": "mosaic_tpu"}, NotImplementedError, r"the 'mosaic_tpu' delta_rule takes K 64, 128, 256; got K=32. backend='xla' takes it"),
     ({"backend": "pallas_gpu"}, NotImplementedError, r"'pallas_gpu' backend is not yet available for delta_rule; backend='xla' takes it"),
 ]
 

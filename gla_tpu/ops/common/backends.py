@@ -29,7 +29,7 @@ _PLATFORM_KERNEL = {"tpu": MOSAIC_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU}
 FAMILY_BACKENDS = {
     "attention": (MOSAIC_TPU, PALLAS_GPU, XLA),
     "gla": (MOSAIC_TPU, PALLAS_GPU, XLA),
-    "delta_rule": (XLA,),
+    "delta_rule": (MOSAIC_TPU, XLA),
 }
 
 _warned: set[str] = set()

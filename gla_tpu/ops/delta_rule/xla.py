@@ -15,7 +15,9 @@ the state before it (exp(-100) is below the rounding of every dtype).
 Value head j reads q and k head j // G (G = HV // H): the value heads are laid out [H, G] and q, k
 broadcast over G, so q, k and, for DeltaNet, their scores are never repeated per value head.
 Inputs of 16 bits compute in float32, float64 inputs in float64; products run at HIGHEST
-precision (float32 on TPU matrix units is otherwise rounded to bfloat16).
+precision (float32 on TPU matrix units is otherwise rounded to bfloat16), their operands rounded
+to the input dtype as the kernels round them (the same computation in the input dtype: scores,
+the WY products, the state pass and the outputs; the inverse of I + A stays in float32).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ CAPABILITIES = Capabilities(
     op="delta_rule", backend="xla", platform="any (plain JAX)",
     dtypes=("bfloat16", "float16", "float32", "float64"), dims=(("K", ANY_DIM), ("V", ANY_DIM)),
     features=DELTA_RULE_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=CHUNK_SIZES,
-    notes="chunked WY form, one triangular solve per chunk (chunk), or a scan over tokens "
-          "(fused_recurrent); float32 arithmetic (float64 for float64 inputs); autodiff",
+    notes="chunked WY form, (I + A)^-1 by one triangular solve per chunk (chunk), or a scan "
+          "over tokens (fused_recurrent); float32 arithmetic (float64 for float64 inputs), "
+          "chunk's products on operands rounded to the input dtype; autodiff",
 )
 
 _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
@@ -78,7 +81,8 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
                 if gates is None:
                     gates = jnp.zeros((b, t, h, grp, 1), cd)
                 gates = jnp.where(starts[:, :, None, None, None], GATE_FLOOR, gates)
-            o, final = _chunked(q, k, v_, beta, gates, s0, problem.scale, problem.chunk_size)
+            o, final = _chunked(q, k, v_, beta, gates, s0, problem.scale, problem.chunk_size,
+                                problem.dtype)
     o = o.reshape(b, t, h * grp, vd).astype(v.dtype)
     if not problem.output_final_state:
         return o, None
@@ -113,8 +117,9 @@ def _recurrent(q, k, v, beta, gates, s0, starts, scale):
     return jnp.moveaxis(o, 0, 1) * scale, state  # [B, T, H, G, V], [B, H, G, K, V]
 
 
-def _chunked(q, k, v, beta, gates, s0, scale, c):
+def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
     b, t, h, kd = q.shape
+    rnd = functools.partial(_rounded, dtype=input_dtype)
     grp, vd = v.shape[3], v.shape[4]
     # Padding tokens (beta = 0, g = 0, zero q, k, v) leave the state unchanged: sliced off below.
     q, k, v, beta = (pad_time(x, c) for x in (q, k, v, beta))
@@ -127,7 +132,7 @@ def _chunked(q, k, v, beta, gates, s0, scale, c):
     if gates is None:
         q_in = k_in = k_out = None
         decay = None
-        scores, kk = _products(qc, kc)  # [B, H, 1, N, C, C]
+        scores, kk = _products(rnd(qc), rnd(kc))  # [B, H, 1, N, C, C]
     else:
         kg = gates.shape[-1]
         gc = pad_time(gates, c).reshape(b, n, c, h, grp, kg).transpose(0, 3, 4, 1, 2, 5)
@@ -136,32 +141,33 @@ def _chunked(q, k, v, beta, gates, s0, scale, c):
         q_in, k_in, k_out = qc * jnp.exp(entry), kc * jnp.exp(entry), kc * jnp.exp(tail)
         decay = jnp.exp(entry[..., -1, :])  # [B, H, G, N, Kg]
         if kg == 1:
-            scores, kk = _products(qc, kc)
+            scores, kk = _products(rnd(qc), rnd(kc))
             pair = _pair_decays(gc[..., 0])  # [B, H, G, N, C, C]: exp(b_i - b_j), j <= i
             scores, kk = scores * pair, kk * pair
         else:
-            scores, kk = _per_key_scores(qc, kc, gc)  # [B, H, G, N, C, C]
+            scores, kk = _per_key_scores(qc, kc, gc, rnd)  # [B, H, G, N, C, C]
     # A_ij = beta_i (k_i e^(b_i - b_j)) . k_j for j < i; M_ij the same with q_i, j <= i
     a = jnp.where(_lift(_order(c, "after"), 6), betac[..., :, None] * kk, 0.0)  # [B, H, G, N, C, C]
     scores = jnp.where(_lift(_order(c, "from"), 6), scores, 0.0)
 
-    # The WY representation: (I + A) [u0, w] = beta [v, k_in], unit lower triangular.
+    # The WY representation: [u0, w] = (I + A)^-1 beta [v, k_in]; the inverse of the unit lower
+    # triangular I + A by one solve in the compute dtype, the products with rounded operands.
     k_in = kc if k_in is None else k_in
-    rhs = betac[..., None] * jnp.concatenate(
-        [vc, jnp.broadcast_to(k_in, vc.shape[:-1] + (kd,))], axis=-1)  # [B, H, G, N, C, V + K]
-    solved = jax.lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True,
-                                             unit_diagonal=True)
-    u0, w = solved[..., :vd], solved[..., vd:]
+    eye = jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), a.shape)
+    inverse = jax.lax.linalg.triangular_solve(a, eye, left_side=True, lower=True,
+                                              unit_diagonal=True)
+    u0 = _einsum("...ij,...jv->...iv", rnd(inverse), rnd(betac[..., None] * vc))
+    w = _einsum("...ij,...jk->...ik", rnd(inverse), rnd(betac[..., None] * k_in))
 
     # The states, chunk after chunk: only u = u0 - w S waits for the state.
     k_out = kc if k_out is None else k_out
 
     def step(state, xs):
         w_n, u0_n, k_out_n, decay_n = xs  # [B, H, G, C, K], [B, H, G, C, V], ..., [B, H, G, Kg]
-        u = u0_n - _einsum("bhgck,bhgkv->bhgcv", w_n, state)
+        u = u0_n - _einsum("bhgck,bhgkv->bhgcv", rnd(w_n), rnd(state))
         decayed = state if decay_n is None else decay_n[..., None] * state
         # k_out_n has G or 1 (broadcast) value heads
-        return decayed + _einsum("bhgck,bhgcv->bhgkv", k_out_n, u), (state, u)
+        return decayed + _einsum("bhgck,bhgcv->bhgkv", rnd(k_out_n), rnd(u)), (state, u)
 
     state0 = jnp.zeros((b, h, grp, kd, vd), q.dtype) if s0 is None else s0
     xs = tuple(None if x is None else jnp.moveaxis(x, 3, 0) for x in (w, u0, k_out, decay))
@@ -170,10 +176,16 @@ def _chunked(q, k, v, beta, gates, s0, scale, c):
 
     # The outputs: o = scale (q_in S_n + M u), GLA's with v replaced by the new values u.
     q_in = qc if q_in is None else q_in
-    o = (_einsum("bhgnck,bhgnkv->bhgncv", q_in, states)
-         + _einsum("bhgnij,bhgnjv->bhgniv", scores, u))
+    o = (_einsum("bhgnck,bhgnkv->bhgncv", rnd(q_in), rnd(states))
+         + _einsum("bhgnij,bhgnjv->bhgniv", rnd(scores), rnd(u)))
     o = o.transpose(0, 3, 4, 1, 2, 5).reshape(b, n * c, h, grp, vd)[:, :t]
     return o * scale, final
+
+
+def _rounded(x, dtype):
+    """x rounded to the input dtype and back: a matrix product's operand, as the kernels take it
+    (identity for float32 and float64 inputs)."""
+    return x.astype(dtype).astype(x.dtype)
 
 
 def _order(n, relation):
@@ -214,7 +226,7 @@ def _pair_decays(g):
     return jnp.where(lower, jnp.exp(_range_sums(g)), 0.0)
 
 
-def _per_key_scores(qc, kc, gc):
+def _per_key_scores(qc, kc, gc, rnd):
     """Secondary chunking of per-key decays: sub-chunk pairs I > J factor through the boundary
     before I, exp(b_i - b_j) = exp(sum over [start(I), i]) exp(sum over (j, start(I))), both
     exponents <= 0; the diagonal sub-chunks take the elementwise [c, c, K] decays.
@@ -247,8 +259,8 @@ def _per_key_scores(qc, kc, gc):
     eye = jnp.eye(ns, dtype=gc.dtype)
     out = []
     for xs in (qs, ks):
-        off = _einsum("...Iik,...IJjk->...IiJj", xs * later, k_early)
-        on = _einsum("...ik,...jk,...ijk->...ij", xs, ks, diag)  # [.., ns, sub, sub]
+        off = _einsum("...Iik,...IJjk->...IiJj", rnd(xs * later), rnd(k_early))
+        on = _einsum("...ik,...jk,...ijk->...ij", rnd(xs), rnd(ks), diag)  # [.., ns, sub, sub]
         full = off + _einsum("...Iij,IJ->...IiJj", on, eye)
         out.append(full.reshape(*lead, c, c))
     return tuple(out)

@@ -37,21 +37,25 @@ _PARALLEL = frozenset({"outputs"})
 
 
 # Arrays with one row per token (blocks of G*C rows); the others hold one entry per chunk (blocks
-# of G entries on a leading axis).
-_TOKEN_ROWS = frozenset({"q", "k", "g", "v", "do", "o", "dv", "dq", "dk", "dg", "bcol", "segcol"})
+# of G entries on a leading axis). beta, dbeta and dbcol are the delta rule's
+# (gla_tpu/ops/delta_rule/mosaic_tpu/kernels_chunk.py).
+_TOKEN_ROWS = frozenset({"q", "k", "g", "v", "do", "o", "dv", "dq", "dk", "dg", "bcol", "segcol",
+                         "beta", "dbeta", "dbcol"})
 # Whole [bv, K] states (initial, final and their cotangents): one block per grid row, not per chunk.
 _WHOLE_STATES = ("s0", "final", "dfinal", "ds0")
 
 
-def _seq_spec(d: int, block: int, rows: int, step_of):
+def _seq_spec(d: int, block: int, rows: int, step_of, group: int = 1):
     """BlockSpec of a `seq_pack`ed array: `rows` tokens of one head, one `block` of its D
-    columns."""
+    columns. `group`: grid heads per head of this array (q and k of grouped value heads: grid
+    head hi reads head hi // group)."""
     if d % LANES == 0:
         per_head = d // block
         return pl.BlockSpec(
             (None, rows, block),
-            lambda bi, hi, vi, ni: (bi, step_of(ni), hi * per_head + vi % per_head))
-    return pl.BlockSpec((None, None, rows, d), lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0))
+            lambda bi, hi, vi, ni: (bi, step_of(ni), (hi // group) * per_head + vi % per_head))
+    return pl.BlockSpec((None, None, rows, d),
+                        lambda bi, hi, vi, ni: (bi, hi // group, step_of(ni), 0))
 
 
 def _partial_spec(d: int, rows: int, step_of):
@@ -67,17 +71,18 @@ def _specs(cfg: ChunkConfig, step_of):
     """BlockSpecs of every kernel array for one grid step: G = cfg.chunks_per_step chunks."""
     c, kd, bv, g = cfg.chunk, cfg.key_dim, cfg.block_v, cfg.chunks_per_step
     rows = g * c
+    column = pl.BlockSpec((None, None, rows, 1), lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0))
     return {
-        "q": _seq_spec(kd, kd, rows, step_of),
-        "k": _seq_spec(kd, kd, rows, step_of),
+        "q": _seq_spec(kd, kd, rows, step_of, cfg.group),
+        "k": _seq_spec(kd, kd, rows, step_of, cfg.group),
         "g": _seq_spec(kd, kd, rows, step_of),  # per-key log gates, float32
         "v": _seq_spec(cfg.value_dim, bv, rows, step_of),
         "do": _seq_spec(cfg.value_dim, bv, rows, step_of),
         "o": _seq_spec(cfg.value_dim, bv, rows, step_of),
         "dv": _seq_spec(cfg.value_dim, bv, rows, step_of),
-        # Per-head gate sums as a column [B, H, T, 1] and as rows [B, H, N, 1, C].
-        "bcol": pl.BlockSpec((None, None, rows, 1),
-                             lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0)),
+        # Per-head gate sums as a column [B, H, T, 1] and as rows [B, H, N, 1, C]; the delta
+        # rule's beta, its cotangent and the per-head gate sums' cotangent as columns.
+        "bcol": column, "beta": column, "dbeta": column, "dbcol": column,
         "brow": pl.BlockSpec((None, None, g, 1, c),
                              lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0, 0)),
         # Relative segment index as a column [B, T, 1] and as rows [B, N, 1, C].
@@ -147,53 +152,61 @@ def _outputs(cfg: ChunkConfig, role: str):
     }[role]
 
 
-def _scratch(cfg: ChunkConfig, role: str):
-    if role in _PARALLEL:
-        return []
-    return [pltpu.VMEM((cfg.block_v, cfg.key_dim), jnp.float32)]  # carried ST or dST
-
-
 def run(cfg: ChunkConfig, role: str, arrays: dict, *, interpret=False):
     """Runs one kernel role on kernel-layout `arrays` (name -> array); returns name -> output."""
-    in_names = _inputs(cfg, role)
-    out_shapes = _outputs(cfg, role)
+    return call(cfg, f"gla_{role}_C{cfg.chunk}_bv{cfg.block_v}_{cfg.gate_kind}",
+                _inputs(cfg, role), _outputs(cfg, role),
+                functools.partial(_chunk_step, cfg, role), arrays,
+                reverse=role in _REVERSED, parallel=role in _PARALLEL, interpret=interpret)
+
+
+def call(cfg, name: str, in_names, out_shapes: dict, step, arrays: dict, *, reverse: bool,
+         parallel: bool, interpret=False):
+    """The chunked kernels' `pallas_call`, shared by every chunked op family.
+
+    Grid (batch, head, V block, block of G chunks); `step(views, carry)` computes one chunk from
+    `views` (name -> ref of this chunk's slice of each named array, `_specs` gives the layouts)
+    and, unless `parallel`, reads the carried [bv, K] float32 state (or its cotangent) from the
+    VMEM scratch `carry` and returns the next one. `reverse`: chunks in reverse order, the carry
+    starting from "dfinal" and ending in "ds0"; else from "s0" (or zeros) and ending in "final".
+    """
     n = cfg.num_steps
-    step_of = (lambda ni: n - 1 - ni) if role in _REVERSED else (lambda ni: ni)
+    step_of = (lambda ni: n - 1 - ni) if reverse else (lambda ni: ni)
     specs = _specs(cfg, step_of)
-    last = "parallel" if role in _PARALLEL else "arbitrary"
-    name = f"gla_{role}_C{cfg.chunk}_bv{cfg.block_v}_{cfg.gate_kind}"
-    kernel = functools.partial(_kernel, cfg, role, tuple(in_names), tuple(out_shapes))
-    call = pl.pallas_call(
+    last = "parallel" if parallel else "arbitrary"
+    scratch = [] if parallel else [pltpu.VMEM((cfg.block_v, cfg.key_dim), jnp.float32)]
+    kernel = functools.partial(_kernel, cfg, step, reverse, tuple(in_names), tuple(out_shapes))
+    pallas = pl.pallas_call(
         kernel,
         grid=(cfg.batch, cfg.num_heads, cfg.num_v_blocks, n),
         in_specs=[specs[x] for x in in_names],
         out_specs=[specs[x] for x in out_shapes],
         out_shape=list(out_shapes.values()),
-        scratch_shapes=_scratch(cfg, role),
+        scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", last)),
         interpret=tpu_interpret_params(interpret),
         name=name,
     )
     with jax.named_scope(name):
-        outs = call(*[arrays[x] for x in in_names])
+        outs = pallas(*[arrays[x] for x in in_names])
     return dict(zip(out_shapes, outs))
 
 
-def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
-    """One grid step: G = cfg.chunks_per_step chunks in order (reverse order for the reversed
-    roles), the carried state passed from chunk to chunk through the VMEM scratch."""
+def _kernel(cfg, step, reverse: bool, in_names, out_names, *refs):
+    """One grid step: G = cfg.chunks_per_step chunks in order (reverse order when `reverse`),
+    the carried state passed from chunk to chunk through the VMEM scratch."""
     n_in, n_out = len(in_names), len(out_names)
     r = dict(zip(in_names, refs[:n_in]))
     r.update(zip(out_names, refs[n_in:n_in + n_out]))
     carry = refs[n_in + n_out] if len(refs) > n_in + n_out else None
-    step, last = pl.program_id(3), pl.num_programs(3) - 1
+    grid_step, last = pl.program_id(3), pl.num_programs(3) - 1
     g = cfg.chunks_per_step
 
     if carry is not None:
-        first_source = "dfinal" if role in _REVERSED else ("s0" if cfg.has_initial_state else None)
+        first_source = "dfinal" if reverse else ("s0" if cfg.has_initial_state else None)
 
-        @pl.when(step == 0)
+        @pl.when(grid_step == 0)
         def _init():
             if first_source is None:
                 carry[...] = jnp.zeros(carry.shape, jnp.float32)
@@ -201,25 +214,28 @@ def _kernel(cfg: ChunkConfig, role: str, in_names, out_names, *refs):
                 carry[...] = r[first_source][...]
 
     def one_chunk(j, _):
-        chunk = g - 1 - j if role in _REVERSED else j
+        chunk = g - 1 - j if reverse else j
         rows = pl.ds(pl.multiple_of(chunk * cfg.chunk, cfg.chunk), cfg.chunk)
         views = {name: (ref.at[rows] if name in _TOKEN_ROWS else ref.at[chunk])
                  for name, ref in r.items() if name not in _WHOLE_STATES}
-        _chunk_step(cfg, role, views, carry)
+        nxt = step(views, carry)
+        if nxt is not None:
+            carry[...] = nxt
         return 0
 
     jax.lax.fori_loop(0, g, one_chunk, 0)
     # The carried value after the last chunk: final state, or d initial state when reversed.
-    end = "ds0" if role in _REVERSED else "final"
+    end = "ds0" if reverse else "final"
     if carry is not None and end in r:
-        @pl.when(step == last)
+        @pl.when(grid_step == last)
         def _finish():
             r[end][...] = carry[...]
 
 
 def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
     """One chunk of one role; `r` maps names to refs of this chunk's slice, `carry` is the VMEM
-    scratch of the carried state (or its cotangent), read here and overwritten with the next."""
+    scratch of the carried state (or its cotangent). Returns the next carried value (None for
+    the parallel roles)."""
     dt = cfg.dtype
 
     def load(name):
@@ -249,7 +265,7 @@ def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
     elif role == "outputs":
         o = tile.output(q, k, v, gate, seg, r["states"][...], cfg.scale, dt, cfg.profiler_safe)
         r["o"][...] = o.astype(r["o"].dtype)
-        return
+        return None
     elif role == "bwd_reverse":
         dst = carry[...]  # cotangent of the state leaving this chunk
         dq, dk, dv, edge, db = tile.backward(q, k, v, gate, seg, do, r["states"][...], dst, dt,
@@ -264,4 +280,4 @@ def _chunk_step(cfg: ChunkConfig, role: str, r: dict, carry):
         nxt = tile.prev_state_grad(q, gate, seg, dst, do, dt)
     else:
         raise ValueError(f"unknown kernel role {role!r}")
-    carry[...] = nxt
+    return nxt

@@ -126,6 +126,7 @@ class ChunkConfig:
     dtype: jnp.dtype
     chunks_per_step: int = 1  # G: chunks one grid step walks (`chunks_per_grid_step`)
     profiler_safe: bool = False  # BlockSizes.profiler_safe
+    group: int = 1  # heads (grid rows) per q/k head: the delta rule's grouped value heads
 
     @property
     def num_chunks(self) -> int:

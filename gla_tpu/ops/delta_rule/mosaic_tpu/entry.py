@@ -1,0 +1,88 @@
+"""Entry of the "mosaic_tpu" delta-rule backend: what it takes, and the call.
+
+Mode "chunk": pad T to a multiple of the chunk (padded tokens have beta = 0 and g = 0 and leave
+the state unchanged), l2-normalize q and k when asked (in XLA, differentiated by autodiff), take
+the per-head gates' chunk-local sums outside the kernels, the segment index relative to each
+chunk's entering state, then run vjp.chunked. docs/delta_rule_mosaic_tpu.md describes the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common.capabilities import DELTA_RULE_FEATURES, Capabilities, Dims
+from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
+from gla_tpu.ops.common.padding import pad_segment_index, pad_time
+from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.delta_rule.mosaic_tpu import vjp
+from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes
+from gla_tpu.ops.delta_rule.reference import L2NORM_EPS
+from gla_tpu.ops.delta_rule.validation import GATE_KINDS
+from gla_tpu.ops.gla.mosaic_tpu.entry import _relative_segments
+from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, chunks_per_grid_step
+
+# K and V: 64, 128 or 256 (the sizes the compile tests cover; the state [V, K] float32 and one
+# chunk's blocks stay in VMEM).
+HEAD_DIMS = Dims(values=(64, 128, 256))
+
+CAPABILITIES = Capabilities(
+    op="delta_rule", backend="mosaic_tpu", platform="TPU; CPU with interpret=True",
+    dtypes=("bfloat16", "float32"), dims=(("K", HEAD_DIMS), ("V", HEAD_DIMS)),
+    features=DELTA_RULE_FEATURES, modes=("chunk",), gates=GATE_KINDS, chunk_sizes=(64,),
+    notes="chunked kernels (chunk): one sequential forward kernel (WY representation by a "
+          "blocked float32 inverse per chunk) and one reverse backward kernel incl. dbeta and dg",
+    block_sizes=BlockSizes,
+)
+
+
+def check_supported(problem, block_sizes) -> None:
+    CAPABILITIES.check(problem, block_sizes)
+
+
+def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
+    """The "mosaic_tpu" delta rule; see `gla_tpu.ops.delta_rule` (arguments validated, g
+    floored). Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None)."""
+    block_sizes = block_sizes or BlockSizes()
+    return _chunked(q, k, v, beta, g, initial_state, segment_ids, problem=problem,
+                    interpret=interpret, block_sizes=block_sizes)
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "interpret", "block_sizes"))
+def _chunked(q, k, v, beta, g, initial_state, segment_ids, *, problem, interpret, block_sizes):
+    b, t, h, kd = q.shape
+    hv, vd = problem.num_value_heads, problem.value_dim
+    c = problem.chunk_size
+    dt = jnp.dtype(q.dtype)
+    if problem.use_qk_l2norm:
+        q, k = (_l2norm(x).astype(dt) for x in (q, k))
+    q_p, k_p, v_p = (pad_time(x, c) for x in (q, k, v))
+    beta_p = pad_time(beta.astype(jnp.float32), c)
+    tp = q_p.shape[1]
+    gates = None
+    if problem.gate_kind == "key":
+        gates = pad_time(g.astype(jnp.float32), c)
+    elif problem.gate_kind == "head":
+        gates = chunk_local_cumsum(pad_time(g.astype(jnp.float32), c), c, method="triangular")
+    rel = None
+    if segment_ids is not None:
+        rel = _relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
+    cfg = ChunkConfig(
+        batch=b, seq_len=tp, num_heads=hv, key_dim=kd, value_dim=vd, chunk=c, block_v=vd,
+        gate_kind=problem.gate_kind, has_segments=rel is not None,
+        has_initial_state=initial_state is not None, scale=float(problem.scale), dtype=dt,
+        chunks_per_step=chunks_per_grid_step(tp // c, c, kd, vd),
+        profiler_safe=block_sizes.profiler_safe, group=problem.group,
+    )
+    s0 = None if initial_state is None else initial_state.astype(jnp.float32)
+    with jax.named_scope("delta_rule_mosaic_tpu_chunk"):
+        o, final = vjp.chunked(cfg, interpret, q_p, k_p, v_p, beta_p, gates, s0, rel)
+    return o[:, :t], (final if problem.output_final_state else None)
+
+
+def _l2norm(x):
+    """fla's l2norm over the last dim, in float32: x / sqrt(sum x^2 + 1e-6)."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + L2NORM_EPS)

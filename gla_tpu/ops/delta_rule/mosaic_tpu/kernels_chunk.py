@@ -1,0 +1,108 @@
+"""The chunked delta-rule kernels: GLA's chunk grid and layouts
+(`gla_tpu.ops.gla.mosaic_tpu.kernels_chunk.call`) with the delta rule's chunk math
+(kernels_chunk_tile.py).
+
+  forward    sequential over chunks, state in VMEM scratch: outputs, final state and (under
+             differentiation) the state entering every chunk.
+  backward   sequential, reverse order, on the saved states: dq, dk (per value head), dv, dbeta,
+             the gate's db, and the cotangent of the initial state.
+
+Grid rows are value heads; q and k are read at head hv // G in place. The whole V is one block
+(u = u0 - w S and the WY representation are formed once per chunk).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.delta_rule.mosaic_tpu import kernels_chunk_tile as tile
+from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk as chunk_grid
+from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk_tile as gla_tile
+from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, seq_shape
+
+
+def _gate_names(cfg: ChunkConfig):
+    return {"key": ["g"], "head": ["bcol", "brow"], "none": []}[cfg.gate_kind]
+
+
+def _common_inputs(cfg: ChunkConfig):
+    seg = ["segcol", "segrow"] if cfg.has_segments else []
+    return ["q", "k", "v", "beta", *_gate_names(cfg), *seg]
+
+
+def _load(cfg: ChunkConfig, r: dict):
+    """(q, k, v, beta, gate, seg) of one chunk from its refs."""
+    if cfg.gate_kind == "key":
+        gate = gla_tile.Gate("key", g=r["g"][...])
+    elif cfg.gate_kind == "head":
+        gate = gla_tile.Gate("head", col=r["bcol"][...], row=r["brow"][...])
+    else:
+        gate = gla_tile.Gate("none")
+    seg = gla_tile.Segments(r["segcol"][...], r["segrow"][...]) if cfg.has_segments else None
+    return r["q"][...], r["k"][...], r["v"][...], r["beta"][...], gate, seg
+
+
+def forward(cfg: ChunkConfig, arrays: dict, *, save_states: bool, interpret=False):
+    """{"o": [seq_shape of (B, T, HV, V)] in the input dtype, "final": [B, HV, V, K] float32,
+    and with `save_states` "states": [B, HV, N, V, K] float32}."""
+    b, t, hv, vd, kd = cfg.batch, cfg.seq_len, cfg.num_heads, cfg.value_dim, cfg.key_dim
+    f32 = jnp.float32
+    outputs = {"o": jax.ShapeDtypeStruct(seq_shape(b, t, hv, vd), cfg.dtype)}
+    if save_states:
+        outputs["states"] = jax.ShapeDtypeStruct((b, hv, cfg.num_chunks, vd, kd), f32)
+    outputs["final"] = jax.ShapeDtypeStruct((b, hv, vd, kd), f32)
+    inputs = _common_inputs(cfg) + (["s0"] if cfg.has_initial_state else [])
+
+    def step(r, carry):
+        q, k, v, beta, gate, seg = _load(cfg, r)
+        st = carry[...]
+        if "states" in r:
+            r["states"][...] = st
+        o, nxt = tile.forward(q, k, v, beta, gate, seg, st, cfg.scale, cfg.dtype,
+                              cfg.profiler_safe)
+        r["o"][...] = o.astype(r["o"].dtype)
+        return nxt
+
+    name = f"delta_rule_fwd_C{cfg.chunk}_{cfg.gate_kind}"
+    return chunk_grid.call(cfg, name, inputs, outputs, step, arrays, reverse=False,
+                           parallel=False, interpret=interpret)
+
+
+def backward(cfg: ChunkConfig, arrays: dict, *, interpret=False):
+    """Gradients from the saved states and the cotangents "do" and "dfinal": "dq", "dk" [1,
+    seq_shape of (B, T, HV, K)] float32 (per value head), "dv" in the input dtype, "dbeta"
+    [B, HV, T, 1] float32, "dg" (per-key gates: d loss / d g, [1, seq_shape]) or "dbcol"
+    (per-head gates: d loss / d b of the chunk-local sums, [B, HV, T, 1]), "ds0" [B, HV, V, K]."""
+    b, t, hv, vd, kd = cfg.batch, cfg.seq_len, cfg.num_heads, cfg.value_dim, cfg.key_dim
+    f32 = jnp.float32
+    per_head_k = jax.ShapeDtypeStruct((1, *seq_shape(b, t, hv, kd)), f32)
+    column = jax.ShapeDtypeStruct((b, hv, t, 1), f32)
+    outputs = {"dq": per_head_k, "dk": per_head_k,
+               "dv": jax.ShapeDtypeStruct(seq_shape(b, t, hv, vd), cfg.dtype), "dbeta": column}
+    if cfg.gate_kind == "key":
+        outputs["dg"] = per_head_k
+    elif cfg.gate_kind == "head":
+        outputs["dbcol"] = column
+    outputs["ds0"] = jax.ShapeDtypeStruct((b, hv, vd, kd), f32)
+    inputs = _common_inputs(cfg) + ["do", "states", "dfinal"]
+
+    def step(r, carry):
+        q, k, v, beta, gate, seg = _load(cfg, r)
+        do = r["do"][...].astype(f32) * cfg.scale
+        dq, dk, dv, dbeta, db, dst = tile.backward(q, k, v, beta, gate, seg, do,
+                                                   r["states"][...], carry[...], cfg.dtype,
+                                                   cfg.profiler_safe)
+        r["dq"][...] = dq
+        r["dk"][...] = dk
+        r["dv"][...] = dv.astype(r["dv"].dtype)
+        r["dbeta"][...] = dbeta
+        if cfg.gate_kind == "key":
+            r["dg"][...] = gla_tile.gate_grad_per_key(db)
+        elif cfg.gate_kind == "head":
+            r["dbcol"][...] = jnp.sum(db, axis=1, keepdims=True)
+        return dst
+
+    name = f"delta_rule_bwd_C{cfg.chunk}_{cfg.gate_kind}"
+    return chunk_grid.call(cfg, name, inputs, outputs, step, arrays, reverse=True,
+                           parallel=False, interpret=interpret)

@@ -1,0 +1,124 @@
+"""The math of one chunk of the delta rule, on values already loaded from VMEM.
+
+Notation of docs/delta_rule_math.md: a chunk holds C tokens; q, k [C, K], v [C, V], beta [C, 1];
+the state is held transposed, ST = S^T [V, K] float32, as GLA's chunked kernels hold it. The
+decayed scores, the decayed queries and keys, and GLA's output, state update and their pullbacks
+come from GLA's chunk math (`gla_tpu.ops.gla.mosaic_tpu.kernels_chunk_tile`, imported as `gla`):
+the delta rule is GLA with the values replaced by the new values u = u0 - w S, plus the WY
+representation (u0, w) = (I + A)^-1 beta [v, k_in] of the chunk.
+
+Matmul operands are rounded to the input dtype `dt` (float32 accumulation), as in the "xla"
+backend; the inverse of I + A is formed in float32 at HIGHEST precision.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common.products import HIGHEST, product
+from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk_tile as gla
+
+_dot = gla._dot  # operands rounded to dt, float32 result
+
+
+def _iota(shape, axis):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def unit_lower_inverse(a):
+    """(I + a)^-1 for a [C, C] float32 strictly lower triangular, C a power of two.
+
+    Blocked inversion by doubling the block: with T the inverse of the block-diagonal part of
+    I + a in blocks of h rows, the blocks of 2h rows are [[T11, 0], [-T22 a21 T11, T22]], that is
+    T - T a_h T with a_h the pairs (i, j) whose highest differing bit is h (a21 of every 2h-block,
+    the pair levels of docs/gla_mosaic_tpu.md). log2(C) levels of two float32 products each; every
+    level is an exact step of block forward substitution, not a power series, so nothing cancels
+    beyond the substitution's own rounding (docs/delta_rule_mosaic_tpu.md, "The inverse")."""
+    c = a.shape[0]
+    i, j = _iota((c, c), 0), _iota((c, c), 1)
+    level = i ^ j
+    t = (i == j).astype(jnp.float32)
+    h = 1
+    while h < c:
+        a_h = jnp.where((i > j) & (level >= h) & (level < 2 * h), a, 0.0)
+        t = t - product(t, product(a_h, t, "nn", HIGHEST), "nn", HIGHEST)
+        h *= 2
+    return t
+
+
+class Chunk:
+    """The state-independent quantities of one chunk (pass 1 of docs/delta_rule_math.md), built
+    once and shared by the forward and the backward step.
+
+    Attributes (float32): mask, strict [C, C] bool (pairs j <= i, j < i within a segment); kk
+    [C, C] the decayed key scores a_ij (strictly lower); t = (I + beta a)^-1; k_in [C, K] (keys
+    decayed to the chunk's start, zero where the entering state does not reach); u0 [C, V] and
+    w [C, K], the WY representation.
+    """
+
+    def __init__(self, k, v, beta, gate, seg, dt, profiler_safe):
+        c = k.shape[0]
+        self.mask = gla.pair_mask(c, seg)
+        self.strict = self.mask & (_iota((c, c), 0) != _iota((c, c), 1))
+        self.kk = gla.intra(k, k, gate, self.strict, dt, want_scores=True,
+                            profiler_safe=profiler_safe)[0]
+        self.t = unit_lower_inverse(beta * self.kk)
+        self.k_in = gla.carried_queries(k, gate, seg)
+        self.u0 = _dot(self.t, beta * v.astype(jnp.float32), "nn", dt)
+        self.w = _dot(self.t, beta * self.k_in, "nn", dt)
+
+    def new_values(self, st, dt):
+        """u = u0 - w S [C, V] for the entering state ST [V, K]."""
+        return self.u0 - _dot(self.w, st, "nt", dt)
+
+
+def forward(q, k, v, beta, gate, seg, st, scale, dt, profiler_safe=False):
+    """(o [C, V] float32, the leaving state ST' [V, K]) of one chunk from the entering ST."""
+    chunk = Chunk(k, v, beta, gate, seg, dt, profiler_safe)
+    u = chunk.new_values(st, dt)
+    o = gla.output(q, k, u, gate, seg, st, scale, dt, profiler_safe)
+    return o, gla.next_state(k, u, gate, seg, st, dt)
+
+
+def backward(q, k, v, beta, gate, seg, do_scaled, st, dst, dt, profiler_safe=False):
+    """One chunk's gradients ("Backward" of docs/delta_rule_math.md) from the entering state ST
+    [V, K], the cotangent dST [V, K] of the leaving one and do_scaled = scale * dO [C, V].
+
+    Returns float32 (dq [C, K], dk [C, K], dv [C, V], dbeta [C, 1], db [C, K] or None, dST of the
+    entering state [V, K]); db is d loss / d b (the chunk-local gate sums) per key, None without
+    a gate. GLA's pullback with v = u gives dq, the early-role dk of the scores M and of the
+    leaving state's keys, du and its db; the WY representation adds dr = T^T du and the pairs of A.
+    """
+    chunk = Chunk(k, v, beta, gate, seg, dt, profiler_safe)
+    u = chunk.new_values(st, dt)
+    dq, dk_early, du, edge, db = gla.backward(q, k, u, gate, seg, do_scaled, st, dst, dt,
+                                              profiler_safe)
+    dst_prev = gla.prev_state_grad(q, gate, seg, dst, do_scaled, dt) - _dot(du, chunk.w, "tn", dt)
+    dr = _dot(chunk.t, du, "tn", dt)  # (I + A)^-T du  [C, V]
+    d_a = jnp.where(chunk.strict, -_dot(dr, u, "nt", dt), 0.0)  # [C, C]
+    dv = beta * dr
+    vf = v.astype(jnp.float32)
+    dbeta = (jnp.sum((vf - _dot(chunk.k_in, st, "nt", dt)) * dr, axis=1, keepdims=True)
+             + jnp.sum(d_a * chunk.kk, axis=1, keepdims=True))
+    # k_in = k * exp(b) where the entering state reaches: the later role of k
+    dk_in = -beta * _dot(dr, st, "nn", dt)  # [C, K]
+    dk_late = gla._mul(dk_in, gate.to_start())
+    dk_late = gla._mask_rows(dk_late, None if seg is None else seg.reaches)
+    # The pairs of A = beta * kk: row i the later token, column j the earlier one.
+    _, dk_late_pairs, dk_early_pairs, db_pairs = gla.intra(
+        k, k, gate, chunk.strict, dt, d_scores=beta * d_a, want_dq=True, want_dk=True,
+        profiler_safe=profiler_safe)
+    kf = k.astype(jnp.float32)
+    dk = dk_early + dk_early_pairs + dk_late_pairs + dk_late
+    if gate.kind == "key":
+        db = db + db_pairs + kf * dk_late
+    elif gate.kind == "head":
+        # db_m = q dq + k (dk_late - dk_early), and the leaving state at the last token (edge)
+        c = q.shape[0]
+        db = (q.astype(jnp.float32) * dq + kf * (dk_late_pairs + dk_late)
+              - kf * (dk_early + dk_early_pairs))
+        db = db + jnp.where(_iota((c, 1), 0) == c - 1, edge, 0.0)
+    else:
+        db = None
+    return dq, dk, dv, dbeta, db, dst_prev

@@ -1,0 +1,89 @@
+"""custom_vjp wiring of the chunked delta-rule kernels.
+
+Inputs of the custom_vjp: q, k [B, Tp, H, K] (l2-normalized outside when asked), v [B, Tp, HV,
+V], beta [B, Tp, HV] float32, the gates (per-key log gates [B, Tp, HV, K] float32, whose
+chunk-local sums the kernels take themselves; per-head chunk-local sums b [B, Tp, HV] float32,
+summed outside, so that autodiff of that sum turns the kernels' db into dg; or None), the initial
+state and the relative segment index. The forward kernel saves the state entering every chunk;
+the backward kernel walks the chunks in reverse on them (kernels_chunk.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.delta_rule.mosaic_tpu import kernels_chunk
+from gla_tpu.ops.gla.mosaic_tpu.plan import seq_pack, seq_unpack, transpose_state
+
+
+def _arrays(cfg, q, k, v, beta, gates, s0, rel):
+    """The kernels' layouts (those of GLA's chunked kernels, docs/gla_mosaic_tpu.md)."""
+    arrays = {"q": seq_pack(q), "k": seq_pack(k), "v": seq_pack(v),
+              "beta": jnp.transpose(beta, (0, 2, 1))[..., None]}  # [B, HV, T, 1]
+    if cfg.gate_kind == "key":
+        arrays["g"] = seq_pack(gates)
+    elif cfg.gate_kind == "head":
+        bh = jnp.transpose(gates, (0, 2, 1))  # [B, HV, T]
+        arrays["bcol"] = bh[..., None]
+        arrays["brow"] = bh.reshape(cfg.batch, cfg.num_heads, cfg.num_chunks, 1, cfg.chunk)
+    if rel is not None:
+        arrays["segcol"] = rel[..., None]
+        arrays["segrow"] = rel.reshape(cfg.batch, cfg.num_chunks, 1, cfg.chunk)
+    if s0 is not None:
+        arrays["s0"] = transpose_state(s0)
+    return arrays
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def chunked(cfg, interpret, q, k, v, beta, gates, s0, rel):
+    """(o [B, Tp, HV, V], final state [B, HV, K, V] float32) from padded inputs."""
+    out = kernels_chunk.forward(cfg, _arrays(cfg, q, k, v, beta, gates, s0, rel),
+                                save_states=False, interpret=interpret)
+    return _outputs(cfg, out)
+
+
+def _outputs(cfg, out):
+    return seq_unpack(out["o"], cfg.num_heads, cfg.value_dim), transpose_state(out["final"])
+
+
+def _fwd(cfg, interpret, q, k, v, beta, gates, s0, rel):
+    out = kernels_chunk.forward(cfg, _arrays(cfg, q, k, v, beta, gates, s0, rel),
+                                save_states=True, interpret=interpret)
+    return _outputs(cfg, out), (q, k, v, beta, gates, s0, rel, out["states"])
+
+
+def _bwd(cfg, interpret, residuals, cotangents):
+    q, k, v, beta, gates, s0, rel, states = residuals
+    do, dfinal = cotangents
+    arrays = _arrays(cfg, q, k, v, beta, gates, s0, rel)
+    arrays["states"] = states
+    arrays["do"] = seq_pack(do.astype(cfg.dtype))
+    arrays["dfinal"] = transpose_state(dfinal.astype(jnp.float32))
+    grads = kernels_chunk.backward(cfg, arrays, interpret=interpret)
+    hv, kd = cfg.num_heads, cfg.key_dim
+    b, t, h = q.shape[0], q.shape[1], q.shape[2]
+
+    def per_key_head(x):  # [1, seq_shape(B, T, HV, K)] -> [B, T, H, K], summed over the group
+        x = seq_unpack(x[0], hv, kd).reshape(b, t, h, cfg.group, kd)
+        return jnp.sum(x, axis=3)
+
+    def column(x):  # [B, HV, T, 1] -> [B, T, HV]
+        return jnp.transpose(x[..., 0], (0, 2, 1))
+
+    dq, dk = per_key_head(grads["dq"]), per_key_head(grads["dk"])
+    dv = seq_unpack(grads["dv"], hv, cfg.value_dim)
+    if cfg.gate_kind == "key":
+        dgates = seq_unpack(grads["dg"][0], hv, kd)
+    elif cfg.gate_kind == "head":
+        dgates = column(grads["dbcol"])
+    else:
+        dgates = None
+    ds0 = None if s0 is None else transpose_state(grads["ds0"])
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            column(grads["dbeta"]), dgates, ds0, None)
+
+
+chunked.defvjp(_fwd, _bwd)
