@@ -87,6 +87,32 @@ def test_exported_gla_compiles_for_every_generation(exported_gla, generation):
     assert jax.jit(exported_gla.call).lower(x, x, x, g).compile() is not None
 
 
+def _gated_deltanet(q, k, v, beta, g):
+    return ops.delta_rule(q, k, v, beta, g, output_final_state=True, use_qk_l2norm=True,
+                          mode="chunk", backend="mosaic_tpu")
+
+
+# Gated DeltaNet with grouped value heads (H = 2, HV = 4): forward and backward.
+_GDN_SHAPES = ((1, 1024, 2, 128), (1, 1024, 4, 128), (1, 1024, 4))
+
+
+@pytest.fixture(scope="module")
+def exported_gated_deltanet():
+    q, v, beta = (jax.ShapeDtypeStruct(s, BF16 if len(s) == 4 else F32) for s in _GDN_SHAPES)
+
+    def fwd_bwd(q, k, v, beta, g):
+        return jax.grad(lambda *xs: jnp.sum(_gated_deltanet(*xs)[0].astype(F32) ** 2),
+                        argnums=(0, 1, 2, 3, 4))(q, k, v, beta, g)
+
+    return _export_for_tpu(fwd_bwd, q, q, v, beta, beta)
+
+
+@pytest.mark.parametrize("generation", TPU_GENERATIONS)
+def test_exported_delta_rule_compiles_for_every_generation(exported_gated_deltanet, generation):
+    q, v, beta = (abstract(s, BF16 if len(s) == 4 else F32, generation) for s in _GDN_SHAPES)
+    assert jax.jit(exported_gated_deltanet.call).lower(q, q, v, beta, beta).compile() is not None
+
+
 def _seconds_to_compile(fn, args, generation: str, repeats: int = 2) -> float:
     """The fastest of `repeats` lower + compile times of `fn`, a new function object each time
     (no cache)."""

@@ -143,6 +143,18 @@ def test_mosaic_tpu_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
+@pytest.mark.parametrize("pack", [1, 4])
+def test_mosaic_tpu_block_diagonal_inverse_of_1_and_4_chunks(pack):
+    """The inverses formed one chunk at a time and four at a time (BlockSizes.inverse_chunks; the
+    cases above take the default 2 off a TPU): per-head gates with segments, four chunks."""
+    from gla_tpu.ops.delta_rule.mosaic_tpu import BlockSizes
+
+    case = C(1, 256, 1, 2, 64, 64, gate="head", gate_law="kimi", initial_state=True,
+             segments=True)
+    check_delta_rule_parity(case, dtype=F32, mode="chunk", backend="mosaic_tpu", interpret=True,
+                            block_sizes=BlockSizes(inverse_chunks=pack))
+
+
 def _run_all(inputs, key, *, mode, use_qk_l2norm=True, backend="xla"):
     """(outputs and grads of `backend`, float64 reference outputs and grads) for the same
     inputs."""

@@ -1,9 +1,9 @@
 """Entry of the "mosaic_tpu" delta-rule backend: what it takes, and the call.
 
 Mode "chunk": pad T to a multiple of the chunk (padded tokens have beta = 0 and g = 0 and leave
-the state unchanged), l2-normalize q and k when asked (in XLA, differentiated by autodiff), take
-the per-head gates' chunk-local sums outside the kernels, the segment index relative to each
-chunk's entering state, then run vjp.chunked. docs/delta_rule_mosaic_tpu.md describes the kernels.
+the state unchanged), l2-normalize q and k when asked (in XLA, differentiated by autodiff), the
+segment index relative to each chunk's entering state, then run vjp.chunked; the kernels take
+the gates' range sums themselves. docs/delta_rule_mosaic_tpu.md describes the kernels.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from gla_tpu.ops.common.capabilities import DELTA_RULE_FEATURES, Capabilities, Dims
-from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
 from gla_tpu.ops.common.segments import segment_index
 from gla_tpu.ops.delta_rule.mosaic_tpu import vjp
-from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes
+from gla_tpu.ops.common.tpu import target_tpu_info
+from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes, inverse_chunks
 from gla_tpu.ops.delta_rule.reference import L2NORM_EPS
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 from gla_tpu.ops.gla.mosaic_tpu.entry import _relative_segments
@@ -61,11 +61,7 @@ def _chunked(q, k, v, beta, g, initial_state, segment_ids, *, problem, interpret
     q_p, k_p, v_p = (pad_time(x, c) for x in (q, k, v))
     beta_p = pad_time(beta.astype(jnp.float32), c)
     tp = q_p.shape[1]
-    gates = None
-    if problem.gate_kind == "key":
-        gates = pad_time(g.astype(jnp.float32), c)
-    elif problem.gate_kind == "head":
-        gates = chunk_local_cumsum(pad_time(g.astype(jnp.float32), c), c, method="triangular")
+    gates = None if g is None else pad_time(g.astype(jnp.float32), c)
     rel = None
     if segment_ids is not None:
         rel = _relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
@@ -76,9 +72,12 @@ def _chunked(q, k, v, beta, g, initial_state, segment_ids, *, problem, interpret
         chunks_per_step=chunks_per_grid_step(tp // c, c, kd, vd),
         profiler_safe=block_sizes.profiler_safe, group=problem.group,
     )
+    info = target_tpu_info()
+    pack = inverse_chunks(block_sizes, c, cfg.chunks_per_step,
+                          None if info is None else info.mxu_column_size)
     s0 = None if initial_state is None else initial_state.astype(jnp.float32)
     with jax.named_scope("delta_rule_mosaic_tpu_chunk"):
-        o, final = vjp.chunked(cfg, interpret, q_p, k_p, v_p, beta_p, gates, s0, rel)
+        o, final = vjp.chunked(cfg, pack, interpret, q_p, k_p, v_p, beta_p, gates, s0, rel)
     return o[:, :t], (final if problem.output_final_state else None)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.experimental.pallas import tpu as pltpu
+
 from gla_tpu.ops.common.products import HIGHEST, product
 from gla_tpu.ops.gla.mosaic_tpu import kernels_chunk_tile as gla
 
@@ -26,44 +28,92 @@ def _iota(shape, axis):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def unit_lower_inverse(a):
+def split_product(x, y):
+    """x @ y for float32 x, y from three bfloat16 products: each operand split into a bfloat16
+    head and tail, the tail x tail term dropped (about 2^-16 relative; XLA's BF16_BF16_F32_X3,
+    which Mosaic does not take as a precision)."""
+    bf16 = jnp.bfloat16
+    x_hi, y_hi = x.astype(bf16), y.astype(bf16)
+    x_lo = (x - x_hi.astype(jnp.float32)).astype(bf16)
+    y_lo = (y - y_hi.astype(jnp.float32)).astype(bf16)
+    return product(x_hi, y_hi) + (product(x_hi, y_lo) + product(x_lo, y_hi))
+
+
+def unit_lower_inverse(a, dt=jnp.float32, max_level=None):
     """(I + a)^-1 for a [C, C] float32 strictly lower triangular, C a power of two.
 
     Blocked inversion by doubling the block: with T the inverse of the block-diagonal part of
     I + a in blocks of h rows, the blocks of 2h rows are [[T11, 0], [-T22 a21 T11, T22]], that is
     T - T a_h T with a_h the pairs (i, j) whose highest differing bit is h (a21 of every 2h-block,
-    the pair levels of docs/gla_mosaic_tpu.md). log2(C) levels of two float32 products each; every
-    level is an exact step of block forward substitution, not a power series, so nothing cancels
-    beyond the substitution's own rounding (docs/delta_rule_mosaic_tpu.md, "The inverse")."""
+    the pair levels of docs/gla_mosaic_tpu.md). Level 1 is I - a_1 (T = I); every later level
+    takes two products. Each level is an exact step of block forward substitution, not a power
+    series, so nothing cancels beyond the substitution's own rounding
+    (docs/delta_rule_mosaic_tpu.md, "The inverse"). `max_level`: levels below it only (a holding
+    several chunks' blocks on its diagonal, the chunk size). The products are float32 at HIGHEST
+    precision for float32 inputs (`dt`), three bfloat16 products (`split_product`) for 16-bit
+    inputs: one bfloat16 product would cost 25x the rounding of the exact inverse to bfloat16
+    at correlated keys and beta near 2."""
     c = a.shape[0]
     i, j = _iota((c, c), 0), _iota((c, c), 1)
     level = i ^ j
-    t = (i == j).astype(jnp.float32)
-    h = 1
-    while h < c:
+    def mm(x, y):
+        if jnp.dtype(dt) == jnp.float32:
+            return product(x, y, "nn", HIGHEST)
+        return split_product(x, y)
+
+    t = (i == j).astype(jnp.float32) - jnp.where((i > j) & (level == 1), a, 0.0)
+    h = 2
+    while h < (max_level or c):
         a_h = jnp.where((i > j) & (level >= h) & (level < 2 * h), a, 0.0)
-        t = t - product(t, product(a_h, t, "nn", HIGHEST), "nn", HIGHEST)
+        t = t - mm(t, mm(a_h, t))
         h *= 2
     return t
 
 
-class Chunk:
-    """The state-independent quantities of one chunk (pass 1 of docs/delta_rule_math.md), built
-    once and shared by the forward and the backward step.
+def decayed_key_scores(k, beta, gate, seg, dt, profiler_safe=False, chunk=None):
+    """(a, T = (I + beta a)^-1) float32 of the chunks stacked in k's rows: the decayed key scores
+    a_ij (j < i within a chunk and a segment) and the inverse of the WY representation, both
+    block-diagonal in blocks of `chunk` rows (None: one chunk). They do not depend on the state:
+    a kernel forms them for several chunks at once before the sequential pass, where one product
+    of the stacked rows costs about what one of a single chunk does (`blocks_of`)."""
+    rows = k.shape[0]
+    c = chunk or rows
+    i, j = _iota((rows, rows), 0), _iota((rows, rows), 1)
+    strict = gla.pair_mask(rows, seg) & (i != j) & ((i ^ j) < c)  # same chunk (c a power of 2)
+    kk = gla.intra(k, k, gate, strict, dt, want_scores=True, profiler_safe=profiler_safe,
+                   max_level=c)[0]
+    return kk, unit_lower_inverse(beta * kk, dt, max_level=c)
 
-    Attributes (float32): mask, strict [C, C] bool (pairs j <= i, j < i within a segment); kk
-    [C, C] the decayed key scores a_ij (strictly lower); t = (I + beta a)^-1; k_in [C, K] (keys
-    decayed to the chunk's start, zero where the entering state does not reach); u0 [C, V] and
-    w [C, K], the WY representation.
+
+def blocks_of(x, chunk: int):
+    """The diagonal [chunk, chunk] blocks of a block-diagonal x [P * chunk, P * chunk], in
+    order (each block's columns rotated to the first lanes)."""
+    rows = x.shape[0]
+    out = []
+    for p in range(rows // chunk):
+        band = x[p * chunk:(p + 1) * chunk]
+        if p:
+            band = pltpu.roll(band, rows - p * chunk, 1)
+        out.append(band[:, :chunk])
+    return out
+
+
+class Chunk:
+    """The state-independent quantities of one chunk (pass 1 of docs/delta_rule_math.md), shared
+    by the forward and the backward step.
+
+    Attributes (float32): strict [C, C] bool (pairs j < i within a segment); kk [C, C] the
+    decayed key scores a_ij and t = (I + beta a)^-1 (`decayed_key_scores`, or given); k_in
+    [C, K] (keys decayed to the chunk's start, zero where the entering state does not reach);
+    u0 [C, V] and w [C, K], the WY representation.
     """
 
-    def __init__(self, k, v, beta, gate, seg, dt, profiler_safe):
+    def __init__(self, k, v, beta, gate, seg, dt, profiler_safe, kk=None, t=None):
         c = k.shape[0]
-        self.mask = gla.pair_mask(c, seg)
-        self.strict = self.mask & (_iota((c, c), 0) != _iota((c, c), 1))
-        self.kk = gla.intra(k, k, gate, self.strict, dt, want_scores=True,
-                            profiler_safe=profiler_safe)[0]
-        self.t = unit_lower_inverse(beta * self.kk)
+        self.strict = gla.pair_mask(c, seg) & (_iota((c, c), 0) != _iota((c, c), 1))
+        if t is None:
+            kk, t = decayed_key_scores(k, beta, gate, seg, dt, profiler_safe)
+        self.kk, self.t = kk, t
         self.k_in = gla.carried_queries(k, gate, seg)
         self.u0 = _dot(self.t, beta * v.astype(jnp.float32), "nn", dt)
         self.w = _dot(self.t, beta * self.k_in, "nn", dt)
@@ -73,15 +123,17 @@ class Chunk:
         return self.u0 - _dot(self.w, st, "nt", dt)
 
 
-def forward(q, k, v, beta, gate, seg, st, scale, dt, profiler_safe=False):
-    """(o [C, V] float32, the leaving state ST' [V, K]) of one chunk from the entering ST."""
-    chunk = Chunk(k, v, beta, gate, seg, dt, profiler_safe)
+def forward(q, k, v, beta, gate, seg, st, scale, dt, profiler_safe=False, inverse=None):
+    """(o [C, V] float32, the leaving state ST' [V, K]) of one chunk from the entering ST;
+    `inverse`: T of `decayed_key_scores`, when formed before."""
+    chunk = Chunk(k, v, beta, gate, seg, dt, profiler_safe, t=inverse)
     u = chunk.new_values(st, dt)
     o = gla.output(q, k, u, gate, seg, st, scale, dt, profiler_safe)
     return o, gla.next_state(k, u, gate, seg, st, dt)
 
 
-def backward(q, k, v, beta, gate, seg, do_scaled, st, dst, dt, profiler_safe=False):
+def backward(q, k, v, beta, gate, seg, do_scaled, st, dst, dt, profiler_safe=False,
+             scores=None, inverse=None):
     """One chunk's gradients ("Backward" of docs/delta_rule_math.md) from the entering state ST
     [V, K], the cotangent dST [V, K] of the leaving one and do_scaled = scale * dO [C, V].
 
@@ -89,8 +141,9 @@ def backward(q, k, v, beta, gate, seg, do_scaled, st, dst, dt, profiler_safe=Fal
     entering state [V, K]); db is d loss / d b (the chunk-local gate sums) per key, None without
     a gate. GLA's pullback with v = u gives dq, the early-role dk of the scores M and of the
     leaving state's keys, du and its db; the WY representation adds dr = T^T du and the pairs of A.
+    `scores`, `inverse`: (a, T) of `decayed_key_scores`, when formed before.
     """
-    chunk = Chunk(k, v, beta, gate, seg, dt, profiler_safe)
+    chunk = Chunk(k, v, beta, gate, seg, dt, profiler_safe, kk=scores, t=inverse)
     u = chunk.new_values(st, dt)
     dq, dk_early, du, edge, db = gla.backward(q, k, u, gate, seg, do_scaled, st, dst, dt,
                                               profiler_safe)

@@ -4,14 +4,42 @@ from __future__ import annotations
 
 import dataclasses
 
+# Chunks whose inverses one block-diagonal product chain forms, where the chip is not known.
+DEFAULT_INVERSE_CHUNKS = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Performance knobs of the chunked delta-rule kernels (the values never depend on them).
 
+    inverse_chunks: chunks whose (I + A)^-1 are formed together, as one block-diagonal matrix of
+      inverse_chunks * 64 rows (a power of two, at most 8). None: the MXU's width / 64 on a known
+      chip (2 on v4, v5e, v5p; 4 on v6e, 7x), 2 elsewhere. Fewer where the chunks of one grid
+      step do not divide by it.
     profiler_safe: the intra-chunk masks as 0/1 products instead of selects, for libtpu's static
       profiler on v5e and v5p (GLA's `BlockSizes.profiler_safe`, docs/tpu_static_estimate.md);
       the same values.
     """
 
+    inverse_chunks: int | None = None
     profiler_safe: bool = False
+
+    def __post_init__(self):
+        if self.inverse_chunks is not None and self.inverse_chunks not in (1, 2, 4, 8):
+            raise ValueError(f"BlockSizes.inverse_chunks must be None, 1, 2, 4 or 8; got "
+                             f"{self.inverse_chunks!r}.")
+        if not isinstance(self.profiler_safe, bool):
+            raise ValueError(f"BlockSizes.profiler_safe must be True or False; got "
+                             f"{self.profiler_safe!r}.")
+
+
+def inverse_chunks(block_sizes: BlockSizes, chunk: int, chunks_per_step: int,
+                   mxu_width: int | None) -> int:
+    """Chunks per block-diagonal inverse: the field, else the MXU's width / chunk (2 where the
+    chip is not known), then halved until it divides the chunks of a grid step."""
+    pack = block_sizes.inverse_chunks
+    if pack is None:
+        pack = max(1, mxu_width // chunk) if mxu_width else DEFAULT_INVERSE_CHUNKS
+    while chunks_per_step % pack:
+        pack //= 2
+    return pack

@@ -1,9 +1,8 @@
 """custom_vjp wiring of the chunked delta-rule kernels.
 
 Inputs of the custom_vjp: q, k [B, Tp, H, K] (l2-normalized outside when asked), v [B, Tp, HV,
-V], beta [B, Tp, HV] float32, the gates (per-key log gates [B, Tp, HV, K] float32, whose
-chunk-local sums the kernels take themselves; per-head chunk-local sums b [B, Tp, HV] float32,
-summed outside, so that autodiff of that sum turns the kernels' db into dg; or None), the initial
+V], beta [B, Tp, HV] float32, the log gates (per key [B, Tp, HV, K] or per head [B, Tp, HV],
+float32, whose range sums the kernels take themselves; or None), the initial
 state and the relative segment index. The forward kernel saves the state entering every chunk;
 the backward kernel walks the chunks in reverse on them (kernels_chunk.py).
 """
@@ -26,9 +25,9 @@ def _arrays(cfg, q, k, v, beta, gates, s0, rel):
     if cfg.gate_kind == "key":
         arrays["g"] = seq_pack(gates)
     elif cfg.gate_kind == "head":
-        bh = jnp.transpose(gates, (0, 2, 1))  # [B, HV, T]
-        arrays["bcol"] = bh[..., None]
-        arrays["brow"] = bh.reshape(cfg.batch, cfg.num_heads, cfg.num_chunks, 1, cfg.chunk)
+        gh = jnp.transpose(gates, (0, 2, 1))  # [B, HV, T]
+        arrays["gcol"] = gh[..., None]
+        arrays["grow"] = gh.reshape(cfg.batch, cfg.num_heads, cfg.num_chunks, 1, cfg.chunk)
     if rel is not None:
         arrays["segcol"] = rel[..., None]
         arrays["segrow"] = rel.reshape(cfg.batch, cfg.num_chunks, 1, cfg.chunk)
@@ -37,11 +36,12 @@ def _arrays(cfg, q, k, v, beta, gates, s0, rel):
     return arrays
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunked(cfg, interpret, q, k, v, beta, gates, s0, rel):
-    """(o [B, Tp, HV, V], final state [B, HV, K, V] float32) from padded inputs."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def chunked(cfg, pack, interpret, q, k, v, beta, gates, s0, rel):
+    """(o [B, Tp, HV, V], final state [B, HV, K, V] float32) from padded inputs; `pack`: chunks
+    per block-diagonal inverse (plan.inverse_chunks)."""
     out = kernels_chunk.forward(cfg, _arrays(cfg, q, k, v, beta, gates, s0, rel),
-                                save_states=False, interpret=interpret)
+                                save_states=False, pack=pack, interpret=interpret)
     return _outputs(cfg, out)
 
 
@@ -49,20 +49,20 @@ def _outputs(cfg, out):
     return seq_unpack(out["o"], cfg.num_heads, cfg.value_dim), transpose_state(out["final"])
 
 
-def _fwd(cfg, interpret, q, k, v, beta, gates, s0, rel):
+def _fwd(cfg, pack, interpret, q, k, v, beta, gates, s0, rel):
     out = kernels_chunk.forward(cfg, _arrays(cfg, q, k, v, beta, gates, s0, rel),
-                                save_states=True, interpret=interpret)
+                                save_states=True, pack=pack, interpret=interpret)
     return _outputs(cfg, out), (q, k, v, beta, gates, s0, rel, out["states"])
 
 
-def _bwd(cfg, interpret, residuals, cotangents):
+def _bwd(cfg, pack, interpret, residuals, cotangents):
     q, k, v, beta, gates, s0, rel, states = residuals
     do, dfinal = cotangents
     arrays = _arrays(cfg, q, k, v, beta, gates, s0, rel)
     arrays["states"] = states
     arrays["do"] = seq_pack(do.astype(cfg.dtype))
     arrays["dfinal"] = transpose_state(dfinal.astype(jnp.float32))
-    grads = kernels_chunk.backward(cfg, arrays, interpret=interpret)
+    grads = kernels_chunk.backward(cfg, arrays, pack=pack, interpret=interpret)
     hv, kd = cfg.num_heads, cfg.key_dim
     b, t, h = q.shape[0], q.shape[1], q.shape[2]
 
@@ -78,12 +78,22 @@ def _bwd(cfg, interpret, residuals, cotangents):
     if cfg.gate_kind == "key":
         dgates = seq_unpack(grads["dg"][0], hv, kd)
     elif cfg.gate_kind == "head":
-        dgates = column(grads["dbcol"])
+        dgates = _reverse_chunk_sums(column(grads["dbcol"]), cfg.chunk)
     else:
         dgates = None
     ds0 = None if s0 is None else transpose_state(grads["ds0"])
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             column(grads["dbeta"]), dgates, ds0, None)
+
+
+def _reverse_chunk_sums(db, c):
+    """dg [B, T, HV] from d loss / d b: b_t sums g over the chunk's tokens up to t, so dg_t sums
+    db over t .. the chunk's end (one float32 product with a triangle of ones per chunk)."""
+    b, t, hv = db.shape
+    after = jnp.triu(jnp.ones((c, c), jnp.float32))  # [t, s]: s >= t
+    dg = jnp.einsum("ts,bnsh->bnth", after, db.reshape(b, t // c, c, hv),
+                    precision=jax.lax.Precision.HIGHEST)
+    return dg.reshape(b, t, hv)
 
 
 chunked.defvjp(_fwd, _bwd)

@@ -37,10 +37,10 @@ _PARALLEL = frozenset({"outputs"})
 
 
 # Arrays with one row per token (blocks of G*C rows); the others hold one entry per chunk (blocks
-# of G entries on a leading axis). beta, dbeta and dbcol are the delta rule's
+# of G entries on a leading axis). beta, dbeta, dbcol, gcol and grow are the delta rule's
 # (gla_tpu/ops/delta_rule/mosaic_tpu/kernels_chunk.py).
 _TOKEN_ROWS = frozenset({"q", "k", "g", "v", "do", "o", "dv", "dq", "dk", "dg", "bcol", "segcol",
-                         "beta", "dbeta", "dbcol"})
+                         "beta", "dbeta", "dbcol", "gcol"})
 # Whole [bv, K] states (initial, final and their cotangents): one block per grid row, not per chunk.
 _WHOLE_STATES = ("s0", "final", "dfinal", "ds0")
 
@@ -49,13 +49,17 @@ def _seq_spec(d: int, block: int, rows: int, step_of, group: int = 1):
     """BlockSpec of a `seq_pack`ed array: `rows` tokens of one head, one `block` of its D
     columns. `group`: grid heads per head of this array (q and k of grouped value heads: grid
     head hi reads head hi // group)."""
+    def head(hi):
+        # lax.div truncates (hi >= 0): `//` would lower through sign, which asks for the chip
+        return hi if group == 1 else jax.lax.div(hi, group)
+
     if d % LANES == 0:
         per_head = d // block
         return pl.BlockSpec(
             (None, rows, block),
-            lambda bi, hi, vi, ni: (bi, step_of(ni), (hi // group) * per_head + vi % per_head))
+            lambda bi, hi, vi, ni: (bi, step_of(ni), head(hi) * per_head + vi % per_head))
     return pl.BlockSpec((None, None, rows, d),
-                        lambda bi, hi, vi, ni: (bi, hi // group, step_of(ni), 0))
+                        lambda bi, hi, vi, ni: (bi, head(hi), step_of(ni), 0))
 
 
 def _partial_spec(d: int, rows: int, step_of):
@@ -82,8 +86,10 @@ def _specs(cfg: ChunkConfig, step_of):
         "dv": _seq_spec(cfg.value_dim, bv, rows, step_of),
         # Per-head gate sums as a column [B, H, T, 1] and as rows [B, H, N, 1, C]; the delta
         # rule's beta, its cotangent and the per-head gate sums' cotangent as columns.
-        "bcol": column, "beta": column, "dbeta": column, "dbcol": column,
+        "bcol": column, "beta": column, "dbeta": column, "dbcol": column, "gcol": column,
         "brow": pl.BlockSpec((None, None, g, 1, c),
+                             lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0, 0)),
+        "grow": pl.BlockSpec((None, None, g, 1, c),
                              lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0, 0)),
         # Relative segment index as a column [B, T, 1] and as rows [B, N, 1, C].
         "segcol": pl.BlockSpec((None, rows, 1), lambda bi, hi, vi, ni: (bi, step_of(ni), 0)),
@@ -161,7 +167,7 @@ def run(cfg: ChunkConfig, role: str, arrays: dict, *, interpret=False):
 
 
 def call(cfg, name: str, in_names, out_shapes: dict, step, arrays: dict, *, reverse: bool,
-         parallel: bool, interpret=False):
+         parallel: bool, interpret=False, prologue=None, per_chunk_scratch=None):
     """The chunked kernels' `pallas_call`, shared by every chunked op family.
 
     Grid (batch, head, V block, block of G chunks); `step(views, carry)` computes one chunk from
@@ -169,13 +175,21 @@ def call(cfg, name: str, in_names, out_shapes: dict, step, arrays: dict, *, reve
     and, unless `parallel`, reads the carried [bv, K] float32 state (or its cotangent) from the
     VMEM scratch `carry` and returns the next one. `reverse`: chunks in reverse order, the carry
     starting from "dfinal" and ending in "ds0"; else from "s0" (or zeros) and ending in "final".
+
+    `per_chunk_scratch` ({name: (shape, dtype)}) adds VMEM scratch of G entries of `shape` on a
+    leading axis; `prologue(refs)`, called once per grid step before the chunks, may fill them
+    from the whole block's refs (state-independent work of all G chunks at once, whose
+    independent chains the scheduler can interleave), and each chunk's `views` hold its entry.
     """
     n = cfg.num_steps
     step_of = (lambda ni: n - 1 - ni) if reverse else (lambda ni: ni)
     specs = _specs(cfg, step_of)
     last = "parallel" if parallel else "arbitrary"
     scratch = [] if parallel else [pltpu.VMEM((cfg.block_v, cfg.key_dim), jnp.float32)]
-    kernel = functools.partial(_kernel, cfg, step, reverse, tuple(in_names), tuple(out_shapes))
+    extra = dict(per_chunk_scratch or {})
+    scratch += [pltpu.VMEM((cfg.chunks_per_step, *shape), dtype) for shape, dtype in extra.values()]
+    kernel = functools.partial(_kernel, cfg, step, reverse, tuple(in_names), tuple(out_shapes),
+                               tuple(extra), prologue)
     pallas = pl.pallas_call(
         kernel,
         grid=(cfg.batch, cfg.num_heads, cfg.num_v_blocks, n),
@@ -193,13 +207,15 @@ def call(cfg, name: str, in_names, out_shapes: dict, step, arrays: dict, *, reve
     return dict(zip(out_shapes, outs))
 
 
-def _kernel(cfg, step, reverse: bool, in_names, out_names, *refs):
+def _kernel(cfg, step, reverse: bool, in_names, out_names, extra_names, prologue, *refs):
     """One grid step: G = cfg.chunks_per_step chunks in order (reverse order when `reverse`),
     the carried state passed from chunk to chunk through the VMEM scratch."""
     n_in, n_out = len(in_names), len(out_names)
     r = dict(zip(in_names, refs[:n_in]))
     r.update(zip(out_names, refs[n_in:n_in + n_out]))
-    carry = refs[n_in + n_out] if len(refs) > n_in + n_out else None
+    scratch = refs[n_in + n_out:]
+    carry = scratch[0] if scratch else None
+    r.update(zip(extra_names, scratch[1:]))
     grid_step, last = pl.program_id(3), pl.num_programs(3) - 1
     g = cfg.chunks_per_step
 
@@ -212,6 +228,9 @@ def _kernel(cfg, step, reverse: bool, in_names, out_names, *refs):
                 carry[...] = jnp.zeros(carry.shape, jnp.float32)
             else:
                 carry[...] = r[first_source][...]
+
+    if prologue is not None:
+        prologue(r)
 
     def one_chunk(j, _):
         chunk = g - 1 - j if reverse else j

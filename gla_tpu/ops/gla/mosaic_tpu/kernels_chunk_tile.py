@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_tpu.ops.common.masks import intra_chunk_visibility
-from gla_tpu.ops.common.products import product
+from gla_tpu.ops.common.products import HIGHEST, product
 
 
 def _dot(a, b, layout, dt):
@@ -100,11 +100,28 @@ class Gate:
 
     kind "key": from the log gates `g` [C, K] float32, `b` [C, K] (running sum) and `tail`
     [C, K] = b_last - b (the sum of the gates after each token); "head": `col` [C, 1] and
-    `row` [1, C], the sums computed outside the kernels; "none".
+    `row` [1, C], the sums computed outside the kernels, or (`head_ranges`) every exponent
+    summed over its own range; "none".
     """
 
     def __init__(self, kind: str, *, g=None, col=None, row=None):
         self.kind, self.g, self.col, self.row = kind, g, col, row
+        self.pairs = self.after = None  # per-head range sums (`head_ranges`)
+
+    @classmethod
+    def head_ranges(cls, g_col, g_row):
+        """Per-head gates from the log gates as a column [C, 1] and a row [1, C], every exponent
+        a sum over its own range (docs/delta_rule_math.md, "Why nothing overflows"): b_i over
+        [0, i] and the gates after i as row sums, and pairs [C, C], the sums over (j, i] for
+        j < i, as one float32 product of a triangle of ones with the masked gates. A difference
+        b_i - b_j of running sums would carry their rounding (|b| 2^-24) into decays near 1."""
+        c = g_col.shape[0]
+        i, j = _iota((c, c), 0), _iota((c, c), 1)
+        gate = cls("head", col=jnp.sum(jnp.where(j <= i, g_row, 0.0), axis=1, keepdims=True))
+        gate.after = jnp.sum(jnp.where(j > i, g_row, 0.0), axis=1, keepdims=True)
+        gate.pairs = product((j <= i).astype(jnp.float32), jnp.where(i > j, g_col, 0.0), "nn",
+                             HIGHEST)
+        return gate
 
     @functools.cached_property
     def b(self):
@@ -139,7 +156,7 @@ class Gate:
         if self.kind == "key":
             return jnp.exp(self.tail)
         if self.kind == "head":
-            return jnp.exp(self.last - self.col)
+            return jnp.exp(self.last - self.col if self.after is None else self.after)
         return None
 
     def whole(self):
@@ -182,14 +199,14 @@ def pair_mask(c: int, seg: Segments | None):
     return intra_chunk_visibility(_iota((c, c), 0), _iota((c, c), 1), seg.col, seg.row)
 
 
-def head_decay(gate: Gate, c: int):
-    """[C, C] exp(b_i - b_j) below the diagonal (masked before exp), for per-head gates."""
-    causal = pair_mask(c, None)
-    return jnp.where(causal, jnp.exp(jnp.where(causal, gate.col - gate.row, 0.0)), 0.0)
+def head_decay(gate: Gate, mask):
+    """[C, C] exp(b_i - b_j) on `mask` (pairs j <= i; masked before exp), for per-head gates."""
+    exponent = gate.col - gate.row if gate.pairs is None else gate.pairs
+    return jnp.where(mask, jnp.exp(jnp.where(mask, exponent, 0.0)), 0.0)
 
 
 def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_dq=False,
-          want_dk=False, profiler_safe=False):
+          want_dk=False, profiler_safe=False, max_level=None):
     """Intra-chunk scores A[i, j] = sum_k q_ik k_jk exp(b_ik - b_jk) (masked) and their pullback.
 
     Args:
@@ -197,6 +214,8 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
       d_scores: [C, C] float32 cotangent of A (already masked), needed for dq / dk.
       profiler_safe: masks (and the pair levels' rounded X) as `_zero_outside` and
         `rounded_to_bfloat16` say (BlockSizes.profiler_safe); the same values.
+      max_level: per-key gates, pair levels below this (None: all); for rows that stack
+        several chunks whose mask keeps pairs within a chunk, the chunk size.
     Returns:
       (A [C, C] | None, dq [C, K] | None, dk [C, K] | None, db [C, K] | None), float32; db (per-key
       gates, with dq and dk) is these pairs' share of q*dq - k*dk, summed so that it cancels
@@ -204,7 +223,7 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
     """
     c = q.shape[0]
     if gate.kind != "key":
-        decay = None if gate.kind == "none" else head_decay(gate, c)
+        decay = None if gate.kind == "none" else head_decay(gate, mask)
         scores = dq = dk = None
         if want_scores:
             scores = _zero_outside(_mul(_dot(q, k, "nt", dt), decay), mask, profiler_safe)
@@ -220,10 +239,11 @@ def intra(q, k, gate: Gate, mask, dt, *, d_scores=None, want_scores=False, want_
                 dk = _dot(ds, q, "tn", dt) + d_diag * q.astype(jnp.float32)
         return scores, dq, dk, None
     return _intra_per_key(q, k, gate.b, mask, dt, d_scores, want_scores, want_dq or want_dk,
-                          profiler_safe)
+                          profiler_safe, max_level or q.shape[0])
 
 
-def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads, profiler_safe):
+def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads, profiler_safe,
+                   max_level):
     """Pair levels (docs/gla_mosaic_tpu.md, "Per-key gates: pair levels"). A pair i > j of the
     chunk belongs to level h, the highest bit in which i and j differ: both lie in one aligned
     block of 2h rows, i in its upper half and j in its lower half, so the pair factors through
@@ -252,7 +272,7 @@ def _intra_per_key(q, k, b, mask, dt, d_scores, want_scores, want_grads, profile
         db = jnp.zeros(q.shape, f32)
     group_start = b  # [C, K]: b at the first row of each row's aligned group of h rows
     h = 1
-    while h < c:
+    while h < max_level:
         upper = (rows & h) != 0  # [C, 1]: the queries of level h; the other rows are its keys
         ref = jnp.where(upper, group_start, pltpu.roll(group_start, c - h, 0))
         scale = jnp.exp(jnp.where(upper, b - ref, ref - b))  # [C, K], exponents <= 0
