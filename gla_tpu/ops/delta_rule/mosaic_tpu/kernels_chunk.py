@@ -3,9 +3,11 @@
 (kernels_chunk_tile.py).
 
   forward    sequential over chunks, state in VMEM scratch: outputs, final state and (under
-             differentiation) the state entering every chunk.
-  backward   sequential, reverse order, on the saved states: dq, dk (per value head), dv, dbeta,
-             the gate's db, and the cotangent of the initial state.
+             differentiation) the state entering every chunk and each chunk's key scores and
+             WY inverse. A prologue per grid step forms the inverses of its chunks
+             (`_inverse_prologue`).
+  backward   sequential, reverse order, on the saved residuals: dq, dk (per value head), dv,
+             dbeta, the gate's db, and the cotangent of the initial state.
 
 Grid rows are value heads; q and k are read at head hv // G in place. The whole V is one block
 (u = u0 - w S and the WY representation are formed once per chunk).
@@ -91,41 +93,49 @@ def _load(cfg: ChunkConfig, r: dict):
     return r["q"][...], r["k"][...], r["v"][...], r["beta"][...], gate, seg
 
 
-def forward(cfg: ChunkConfig, arrays: dict, *, save_states: bool, pack: int, interpret=False):
+def forward(cfg: ChunkConfig, arrays: dict, *, save_residuals: bool, pack: int,
+            interpret=False):
     """{"o": [seq_shape of (B, T, HV, V)] in the input dtype, "final": [B, HV, V, K] float32,
-    and with `save_states` "states": [B, HV, N, V, K] float32}."""
+    and with `save_residuals` what the backward reads: "states" [B, HV, N, V, K] (the state
+    entering every chunk), "wy_inverse" and "key_scores" [B, HV, N, C, C] (T and a), float32}."""
     b, t, hv, vd, kd = cfg.batch, cfg.seq_len, cfg.num_heads, cfg.value_dim, cfg.key_dim
-    f32 = jnp.float32
+    c, f32 = cfg.chunk, jnp.float32
     outputs = {"o": jax.ShapeDtypeStruct(seq_shape(b, t, hv, vd), cfg.dtype)}
-    if save_states:
+    if save_residuals:
         outputs["states"] = jax.ShapeDtypeStruct((b, hv, cfg.num_chunks, vd, kd), f32)
+        for name in ("wy_inverse", "key_scores"):
+            outputs[name] = jax.ShapeDtypeStruct((b, hv, cfg.num_chunks, c, c), f32)
     outputs["final"] = jax.ShapeDtypeStruct((b, hv, vd, kd), f32)
     inputs = _common_inputs(cfg) + (["s0"] if cfg.has_initial_state else [])
 
     def step(r, carry):
         q, k, v, beta, gate, seg = _load(cfg, r)
         st = carry[...]
-        if "states" in r:
+        if save_residuals:
             r["states"][...] = st
+            r["wy_inverse"][...] = r["inverse"][...]
+            r["key_scores"][...] = r["scores"][...]
         o, nxt = tile.forward(q, k, v, beta, gate, seg, st, cfg.scale, cfg.dtype,
                               cfg.profiler_safe, inverse=r["inverse"][...])
         r["o"][...] = o.astype(r["o"].dtype)
         return nxt
 
-    name = f"delta_rule_fwd_C{cfg.chunk}_{cfg.gate_kind}"
-    c = cfg.chunk
+    scratch = {"inverse": ((c, c), f32)}
+    if save_residuals:
+        scratch["scores"] = ((c, c), f32)
+    name = f"delta_rule_fwd_C{c}_{cfg.gate_kind}"
     return chunk_grid.call(cfg, name, inputs, outputs, step, arrays, reverse=False,
                            parallel=False, interpret=interpret,
-                           prologue=_inverse_prologue(cfg, pack, keep_scores=False),
-                           per_chunk_scratch={"inverse": ((c, c), f32)})
+                           prologue=_inverse_prologue(cfg, pack, keep_scores=save_residuals),
+                           per_chunk_scratch=scratch)
 
 
-def backward(cfg: ChunkConfig, arrays: dict, *, pack: int, interpret=False):
-    """Gradients from the saved states and the cotangents "do" and "dfinal": "dq", "dk" [1,
-    seq_shape of (B, T, HV, K)] float32 (per value head), "dv" in the input dtype, "dbeta"
-    [B, HV, T, 1] float32, "dg" (per-key gates: d loss / d g, [1, seq_shape]) or "dbcol"
-    (per-head gates: d loss / d b, b the chunk-local sums of g, [B, HV, T, 1]), "ds0"
-    [B, HV, V, K]."""
+def backward(cfg: ChunkConfig, arrays: dict, *, interpret=False):
+    """Gradients from the forward's residuals ("states", "wy_inverse", "key_scores") and the
+    cotangents "do" and "dfinal": "dq", "dk" [1, seq_shape of (B, T, HV, K)] float32 (per value
+    head), "dv" in the input dtype, "dbeta" [B, HV, T, 1] float32, "dg" (per-key gates: d loss /
+    d g, [1, seq_shape]) or "dbcol" (per-head gates: d loss / d b, b the chunk-local sums of g,
+    [B, HV, T, 1]), "ds0" [B, HV, V, K]."""
     b, t, hv, vd, kd = cfg.batch, cfg.seq_len, cfg.num_heads, cfg.value_dim, cfg.key_dim
     f32 = jnp.float32
     per_head_k = jax.ShapeDtypeStruct((1, *seq_shape(b, t, hv, kd)), f32)
@@ -137,14 +147,14 @@ def backward(cfg: ChunkConfig, arrays: dict, *, pack: int, interpret=False):
     elif cfg.gate_kind == "head":
         outputs["dbcol"] = column
     outputs["ds0"] = jax.ShapeDtypeStruct((b, hv, vd, kd), f32)
-    inputs = _common_inputs(cfg) + ["do", "states", "dfinal"]
+    inputs = _common_inputs(cfg) + ["do", "states", "wy_inverse", "key_scores", "dfinal"]
 
     def step(r, carry):
         q, k, v, beta, gate, seg = _load(cfg, r)
         do = r["do"][...].astype(f32) * cfg.scale
         dq, dk, dv, dbeta, db, dst = tile.backward(
             q, k, v, beta, gate, seg, do, r["states"][...], carry[...], cfg.dtype,
-            cfg.profiler_safe, scores=r["scores"][...], inverse=r["inverse"][...])
+            cfg.profiler_safe, scores=r["key_scores"][...], inverse=r["wy_inverse"][...])
         r["dq"][...] = dq
         r["dk"][...] = dk
         r["dv"][...] = dv.astype(r["dv"].dtype)
@@ -156,8 +166,5 @@ def backward(cfg: ChunkConfig, arrays: dict, *, pack: int, interpret=False):
         return dst
 
     name = f"delta_rule_bwd_C{cfg.chunk}_{cfg.gate_kind}"
-    c = cfg.chunk
     return chunk_grid.call(cfg, name, inputs, outputs, step, arrays, reverse=True,
-                           parallel=False, interpret=interpret,
-                           prologue=_inverse_prologue(cfg, pack, keep_scores=True),
-                           per_chunk_scratch={"inverse": ((c, c), f32), "scores": ((c, c), f32)})
+                           parallel=False, interpret=interpret)

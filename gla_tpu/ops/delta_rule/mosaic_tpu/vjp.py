@@ -3,8 +3,9 @@
 Inputs of the custom_vjp: q, k [B, Tp, H, K] (l2-normalized outside when asked), v [B, Tp, HV,
 V], beta [B, Tp, HV] float32, the log gates (per key [B, Tp, HV, K] or per head [B, Tp, HV],
 float32, whose range sums the kernels take themselves; or None), the initial
-state and the relative segment index. The forward kernel saves the state entering every chunk;
-the backward kernel walks the chunks in reverse on them (kernels_chunk.py).
+state and the relative segment index. The forward kernel saves the state entering every chunk
+and each chunk's key scores and WY inverse; the backward kernel walks the chunks in reverse on
+them (kernels_chunk.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def chunked(cfg, pack, interpret, q, k, v, beta, gates, s0, rel):
     """(o [B, Tp, HV, V], final state [B, HV, K, V] float32) from padded inputs; `pack`: chunks
     per block-diagonal inverse (plan.inverse_chunks)."""
     out = kernels_chunk.forward(cfg, _arrays(cfg, q, k, v, beta, gates, s0, rel),
-                                save_states=False, pack=pack, interpret=interpret)
+                                save_residuals=False, pack=pack, interpret=interpret)
     return _outputs(cfg, out)
 
 
@@ -51,18 +52,19 @@ def _outputs(cfg, out):
 
 def _fwd(cfg, pack, interpret, q, k, v, beta, gates, s0, rel):
     out = kernels_chunk.forward(cfg, _arrays(cfg, q, k, v, beta, gates, s0, rel),
-                                save_states=True, pack=pack, interpret=interpret)
-    return _outputs(cfg, out), (q, k, v, beta, gates, s0, rel, out["states"])
+                                save_residuals=True, pack=pack, interpret=interpret)
+    saved = {name: out[name] for name in ("states", "wy_inverse", "key_scores")}
+    return _outputs(cfg, out), (q, k, v, beta, gates, s0, rel, saved)
 
 
 def _bwd(cfg, pack, interpret, residuals, cotangents):
-    q, k, v, beta, gates, s0, rel, states = residuals
+    q, k, v, beta, gates, s0, rel, saved = residuals
     do, dfinal = cotangents
     arrays = _arrays(cfg, q, k, v, beta, gates, s0, rel)
-    arrays["states"] = states
+    arrays.update(saved)
     arrays["do"] = seq_pack(do.astype(cfg.dtype))
     arrays["dfinal"] = transpose_state(dfinal.astype(jnp.float32))
-    grads = kernels_chunk.backward(cfg, arrays, pack=pack, interpret=interpret)
+    grads = kernels_chunk.backward(cfg, arrays, interpret=interpret)
     hv, kd = cfg.num_heads, cfg.key_dim
     b, t, h = q.shape[0], q.shape[1], q.shape[2]
 

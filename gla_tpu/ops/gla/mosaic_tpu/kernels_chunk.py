@@ -100,6 +100,10 @@ def _specs(cfg: ChunkConfig, step_of):
         # Materialized per-chunk states [B, H, N, V, K].
         "states": pl.BlockSpec((None, None, g, bv, kd),
                                lambda bi, hi, vi, ni: (bi, hi, step_of(ni), vi, 0)),
+        # The delta rule's per-chunk [C, C] matrices kept for its backward, [B, H, N, C, C].
+        **{name: pl.BlockSpec((None, None, g, c, c),
+                              lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0, 0))
+           for name in ("wy_inverse", "key_scores")},
         # Per-V-block shares of dq, dk and per-key dg.
         **{name: _partial_spec(kd, rows, step_of) for name in ("dq", "dk", "dg")},
         # Per-chunk, per-V-block [1, K] rows for the gate gradient: [nV, B, H, N, 1, K] float32.
