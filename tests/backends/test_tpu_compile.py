@@ -413,6 +413,25 @@ def test_delta_rule_compiles(name, generation, passes):
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
+@pytest.mark.parametrize("generation", TPU_GENERATIONS)
+@pytest.mark.parametrize("shape", [(64, 16, 16, 128, 128, "head"), (256, 16, 32, 64, 64, "head"),
+                                   (64, 32, 32, 128, 128, "key")],
+                         ids=["B64-HV16-K128-gdn", "B256-HV32-K64-gdn", "B64-HV32-K128-kda"])
+def test_delta_rule_decode_step_compiles(generation, shape):
+    """A decode step of a serving batch (mode "fused_recurrent", T = 1): the decode kernel, the
+    state carried in and out."""
+    b, h, hv, kd, vd, gate = shape
+    args = _delta_rule_args(gate, b, 1, h, hv, kd, vd)
+
+    def step(q, k, v, beta, s0, g):
+        return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                              use_qk_l2norm=True, mode="fused_recurrent", backend="mosaic_tpu")
+
+    compiled = compile_for_tpu(step, *args, generation=generation)
+    expected = b * hv * vd * 2 + b * hv * kd * vd * 4  # o bf16 and the final state f32
+    assert expected <= compiled.memory_analysis().output_size_in_bytes <= 1.01 * expected
+
+
 # The harness itself.
 
 

@@ -17,8 +17,8 @@ from gla_tpu.ops.common.capabilities import DELTA_RULE_FEATURES, Capabilities, D
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
 from gla_tpu.ops.common.segments import segment_index
 from gla_tpu.ops.delta_rule.mosaic_tpu import vjp
-from gla_tpu.ops.common.tpu import target_tpu_info
-from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes, inverse_chunks
+from gla_tpu.ops.common.tpu import target_tpu_info, tpu_interpret_params
+from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes, decode_block_h, inverse_chunks
 from gla_tpu.ops.delta_rule.reference import L2NORM_EPS
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 from gla_tpu.ops.gla.mosaic_tpu.entry import _relative_segments
@@ -31,23 +31,61 @@ HEAD_DIMS = Dims(values=(64, 128, 256))
 CAPABILITIES = Capabilities(
     op="delta_rule", backend="mosaic_tpu", platform="TPU; CPU with interpret=True",
     dtypes=("bfloat16", "float32"), dims=(("K", HEAD_DIMS), ("V", HEAD_DIMS)),
-    features=DELTA_RULE_FEATURES, modes=("chunk",), gates=GATE_KINDS, chunk_sizes=(64,),
-    notes="chunked kernels (chunk): one sequential forward kernel (WY representation by a "
-          "blocked float32 inverse per chunk) and one reverse backward kernel incl. dbeta and dg",
+    features=DELTA_RULE_FEATURES, modes=("chunk", "fused_recurrent"), gates=GATE_KINDS,
+    chunk_sizes=(64,),
+    notes="chunked kernels (chunk): one sequential forward kernel (WY representation by "
+          "block-diagonal inverses) and one reverse backward kernel incl. dbeta and dg; "
+          "fused_recurrent at T = 1 only: the decode kernel (backward through XLA)",
     block_sizes=BlockSizes,
 )
 
 
 def check_supported(problem, block_sizes) -> None:
     CAPABILITIES.check(problem, block_sizes)
+    if problem.mode == "fused_recurrent":
+        if problem.seq_len != 1:
+            raise NotImplementedError(
+                f"the 'mosaic_tpu' delta_rule runs mode 'fused_recurrent' at T = 1 only (the "
+                f"decode step); got T={problem.seq_len}. mode='chunk' or backend='xla' takes it.")
+        if _decode_block_h(problem) is None:
+            raise NotImplementedError(
+                f"the 'mosaic_tpu' delta_rule decode kernel fits no block of value heads for "
+                f"HV={problem.num_value_heads}, H={problem.num_heads}, K={problem.key_dim}, "
+                f"V={problem.value_dim} in VMEM. backend='xla' takes it.")
+
+
+def _decode_block_h(problem):
+    return decode_block_h(problem.num_value_heads, problem.group, problem.key_dim,
+                          problem.value_dim)
 
 
 def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
     """The "mosaic_tpu" delta rule; see `gla_tpu.ops.delta_rule` (arguments validated, g
     floored). Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None)."""
     block_sizes = block_sizes or BlockSizes()
+    if problem.mode == "fused_recurrent":  # T = 1 (check_supported)
+        return _decode(q, k, v, beta, g, initial_state, problem=problem,
+                       interpret=tpu_interpret_params(interpret))
     return _chunked(q, k, v, beta, g, initial_state, segment_ids, problem=problem,
                     interpret=interpret, block_sizes=block_sizes)
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "interpret"))
+def _decode(q, k, v, beta, g, initial_state, *, problem, interpret):
+    """One token: the decode kernel on [B, ., D] views of the [B, 1, ., D] inputs."""
+    b, _, h, kd = q.shape
+    hv, vd = problem.num_value_heads, problem.value_dim
+    if problem.use_qk_l2norm:  # kept in float32, as the "xla" step takes them
+        q, k = _l2norm(q), _l2norm(k)
+    gates = None
+    if g is not None:
+        gates = g.astype(jnp.float32).reshape(b, hv, kd if g.ndim == 4 else 1)
+    s0 = None if initial_state is None else initial_state.astype(jnp.float32)
+    o, final = vjp.decode(problem.group, _decode_block_h(problem), problem.gate_kind,
+                          float(problem.scale), problem.output_final_state, interpret,
+                          q.reshape(b, h, kd), k.reshape(b, h, kd), v.reshape(b, hv, vd),
+                          beta.astype(jnp.float32).reshape(b, hv, 1), gates, s0)
+    return o.reshape(b, 1, hv, vd), final
 
 
 @functools.partial(jax.jit, static_argnames=("problem", "interpret", "block_sizes"))

@@ -43,3 +43,22 @@ def inverse_chunks(block_sizes: BlockSizes, chunk: int, chunks_per_step: int,
     while chunks_per_step % pack:
         pack //= 2
     return pack
+
+
+# The decode kernel's blocks: double-buffered state in and out per value head, within this budget
+# (GLA's fused_recurrent budget).
+DECODE_VMEM_BUDGET_BYTES = 12 * 2**20
+
+
+def decode_block_h(num_value_heads: int, group: int, key_dim: int, value_dim: int) -> int | None:
+    """Value heads per grid step of the decode kernel: all of them, else the largest multiple of
+    8 dividing HV whose key heads (block / group) form whole 8-row blocks, within the VMEM
+    budget; None when none fits."""
+    candidates = [num_value_heads] + [
+        d for d in (64, 32, 16, 8)
+        if d < num_value_heads and num_value_heads % d == 0 and d % group == 0
+        and (d // group) % 8 == 0]
+    for bh in candidates:
+        if 4 * bh * key_dim * value_dim * 4 <= DECODE_VMEM_BUDGET_BYTES:
+            return bh
+    return None

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_tpu.ops.delta_rule.mosaic_tpu import kernels_chunk
+from gla_tpu.ops.delta_rule.mosaic_tpu import kernels_chunk, kernels_decode
 from gla_tpu.ops.gla.mosaic_tpu.plan import seq_pack, seq_unpack, transpose_state
 
 
@@ -99,3 +99,47 @@ def _reverse_chunk_sums(db, c):
 
 
 chunked.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def decode(group, block_h, gate_kind, scale, emit_final, interpret, q, k, v, beta, g, s0):
+    """One token (kernels_decode.py): (o [B, HV, V], final [B, HV, K, V] float32 or None) from
+    q, k [B, H, K], v [B, HV, V], beta [B, HV, 1], g [B, HV, Kg] or None, s0 or None. Its
+    gradient is XLA's autodiff of the same step (`_decode_step`): one token's backward is a few
+    products per head."""
+    return kernels_decode.decode(q, k, v, beta, g, s0, group=group, block_h=block_h,
+                                 gate_kind=gate_kind, scale=scale, emit_final=emit_final,
+                                 interpret=interpret)
+
+
+def _decode_step(group, scale, q, k, v, beta, g, s0):
+    """The decode step in plain JAX, float32: S = D S0; u = beta (v - S^T k); S += k u^T;
+    o = scale S^T q."""
+    f32 = jnp.float32
+    q, k = (jnp.repeat(x.astype(f32), group, axis=1) for x in (q, k))  # [B, HV, K]
+    state = jnp.zeros(q.shape + v.shape[-1:], f32) if s0 is None else s0
+    if g is not None:
+        state = jnp.exp(g)[..., None] * state
+    predicted = jnp.einsum("bhk,bhkv->bhv", k, state, precision=jax.lax.Precision.HIGHEST)
+    u = beta * (v.astype(f32) - predicted)
+    state = state + k[..., None] * u[:, :, None, :]
+    o = scale * jnp.einsum("bhk,bhkv->bhv", q, state, precision=jax.lax.Precision.HIGHEST)
+    return o.astype(v.dtype), state
+
+
+def _decode_fwd(group, block_h, gate_kind, scale, emit_final, interpret, q, k, v, beta, g, s0):
+    out = decode(group, block_h, gate_kind, scale, emit_final, interpret, q, k, v, beta, g, s0)
+    return out, (q, k, v, beta, g, s0)
+
+
+def _decode_bwd(group, block_h, gate_kind, scale, emit_final, interpret, residuals, cotangents):
+    do, dfinal = cotangents
+    _, pullback = jax.vjp(functools.partial(_decode_step, group, scale), *residuals)
+    o_shape = residuals[2].shape
+    if dfinal is None:
+        b, hv, vd = o_shape
+        dfinal = jnp.zeros((b, hv, residuals[0].shape[-1], vd), jnp.float32)
+    return pullback((do, dfinal))
+
+
+decode.defvjp(_decode_fwd, _decode_bwd)
