@@ -60,10 +60,10 @@ def delta_rule(
       chunk_size: 64 or 128 for mode "chunk"; None: the backend's default (xla: 64). The result
         does not depend on it beyond rounding.
       block_sizes: the backend's BlockSizes (performance only); None for "xla".
-      backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla". "mosaic_tpu" runs mode "chunk" at
-        K, V in {64, 128, 256} in bfloat16 or float32; "auto" runs it on a TPU where it takes
-        the problem and "xla" elsewhere (with a one-time warning on a TPU or GPU); "pallas_gpu"
-        is not yet available (NotImplementedError).
+      backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla". "mosaic_tpu" runs mode "chunk" and
+        the T = 1 decode step at K, V in {64, 128, 256} in bfloat16 or float32; "auto" runs it
+        on a TPU where it takes the problem and "xla" elsewhere (with a one-time warning on a
+        TPU or GPU); "pallas_gpu" is not yet available (NotImplementedError).
       interpret: run a Pallas backend in interpret mode on CPU.
 
     Returns:
