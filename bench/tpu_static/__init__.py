@@ -186,7 +186,10 @@ def _run_child(spec: Spec, timeout: int, profile_dir: str | None = None,
                list_ops: bool = False) -> subprocess.CompletedProcess:
     """Compiles `spec` in a child process, with libtpu's static profile written to `profile_dir`
     (None: no profile). Raises subprocess.TimeoutExpired."""
+    # libtpu's own logs (tpu_driver.*.log under /tmp/tpu_logs) reach gigabytes per profiled
+    # program; a sweep filled a 250 GB disk. The profile itself goes to `profile_dir`.
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.setdefault("TPU_LOG_DIR", "disabled")
     env.pop("LIBTPU_INIT_ARGS", None)
     if profile_dir is not None:
         env["LIBTPU_INIT_ARGS"] = f"--xla_jf_dump_static_llo_profile_to={profile_dir}"
