@@ -41,6 +41,14 @@ def chunk_entry_segments(seg, chunk: int):
     return jnp.concatenate([seg[:, :1], seg[:, chunk - 1:-1:chunk]], axis=1)
 
 
+def relative_segments(seg, chunk: int):
+    """[B, T] segment index (T a multiple of `chunk`) -> the index minus that of the state entering
+    each chunk: 0 where the carried state still reaches (the chunked TPU kernels' `Segments`)."""
+    b, t = seg.shape
+    rel = seg.reshape(b, t // chunk, chunk) - chunk_entry_segments(seg, chunk)[:, :, None]
+    return rel.reshape(b, t)
+
+
 def chunk_segment_masks(seg_chunks, entry):
     """Which tokens of each chunk touch the carried states.
 

@@ -15,13 +15,12 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.common.capabilities import DELTA_RULE_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
-from gla_tpu.ops.common.segments import segment_index
+from gla_tpu.ops.common.segments import relative_segments, segment_index
 from gla_tpu.ops.delta_rule.mosaic_tpu import vjp
 from gla_tpu.ops.common.tpu import target_tpu_info, tpu_interpret_params
 from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes, decode_block_h, inverse_chunks
 from gla_tpu.ops.delta_rule.reference import L2NORM_EPS
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
-from gla_tpu.ops.gla.mosaic_tpu.entry import _relative_segments
 from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, chunks_per_grid_step
 
 # K and V: 64, 128 or 256 (the sizes the compile tests cover; the state [V, K] float32 and one
@@ -102,7 +101,7 @@ def _chunked(q, k, v, beta, g, initial_state, segment_ids, *, problem, interpret
     gates = None if g is None else pad_time(g.astype(jnp.float32), c)
     rel = None
     if segment_ids is not None:
-        rel = _relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
+        rel = relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
     cfg = ChunkConfig(
         batch=b, seq_len=tp, num_heads=hv, key_dim=kd, value_dim=vd, chunk=c, block_v=vd,
         gate_kind=problem.gate_kind, has_segments=rel is not None,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gla_tpu.ops.common.capabilities import GLA_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.chunk_cumsum import chunk_local_cumsum
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
-from gla_tpu.ops.common.segments import chunk_entry_segments, segment_index, token_keeps
+from gla_tpu.ops.common.segments import relative_segments, segment_index, token_keeps
 from gla_tpu.ops.common.tpu import target_tpu_info, tpu_interpret_params
 from gla_tpu.ops.gla.mosaic_tpu import vjp
 from gla_tpu.ops.gla.mosaic_tpu.plan import (
@@ -108,7 +108,7 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
         gates = chunk_local_cumsum(pad_time(g, c), c, method="triangular")
     rel = None
     if segment_ids is not None:
-        rel = _relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
+        rel = relative_segments(pad_segment_index(segment_index(segment_ids), c), c)
     cfg = ChunkConfig(
         batch=b, seq_len=tp, num_heads=h, key_dim=kd, value_dim=vd, chunk=c,
         block_v=block_sizes.resolve_block_v(vd), gate_kind=problem.gate_kind,
@@ -121,14 +121,6 @@ def _chunked_gla(q, k, v, g, initial_state, segment_ids, *, problem, interpret, 
         o, final = vjp.chunked(cfg, problem.mode, interpret, q_p, k_p, v_p, gates,
                                initial_state, rel)
     return o[:, :t], (final if problem.output_final_state else None)
-
-
-def _relative_segments(seg, c):
-    """[B, T] running segment index -> index minus that of the token before each chunk."""
-    b, t = seg.shape
-    before = chunk_entry_segments(seg, c)  # [B, N]
-    rel = seg.reshape(b, t // c, c) - before[:, :, None]
-    return rel.reshape(b, t)
 
 
 def _fused_recurrent(q, k, v, g, *, problem, initial_state, segment_ids, interpret, block_sizes):
