@@ -3,6 +3,7 @@ the value received and what is accepted."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -73,3 +74,18 @@ def check_scale(name: str, value: Any) -> float | None:
     if not np.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite positive number; got {value!r}.")
     return value
+
+
+class ChunkedProblem:
+    """What the validated problems of the chunked ops (gla, delta_rule; frozen dataclasses with
+    key_dim, value_dim and chunk_size fields) share."""
+
+    def sizes(self) -> dict[str, int]:
+        """The head dims a backend's capabilities constrain."""
+        return {"K": self.key_dim, "V": self.value_dim}
+
+    def with_chunk_size(self, default: int):
+        """This problem with `default` as its chunk size where the caller gave none."""
+        if self.chunk_size is not None:
+            return self
+        return dataclasses.replace(self, chunk_size=default)

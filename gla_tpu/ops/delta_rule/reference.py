@@ -36,6 +36,12 @@ from gla_tpu.ops.common.segments import segment_index, token_starts
 L2NORM_EPS = 1e-6
 
 
+def l2_normalize(x):
+    """fla's l2norm over the last dim, in x's dtype, as the backends apply it under
+    `use_qk_l2norm` (the references below take their own float64 one)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
     """Head-major float64 inputs, q and k repeated to the value heads."""

@@ -23,7 +23,7 @@ GATE_DESCRIPTIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class DeltaRuleProblem:
+class DeltaRuleProblem(v.ChunkedProblem):
     """What every backend receives after validation."""
 
     batch: int
@@ -46,16 +46,6 @@ class DeltaRuleProblem:
     def group(self) -> int:
         """Value heads per q/k head, HV // H."""
         return self.num_value_heads // self.num_heads
-
-    def sizes(self) -> dict[str, int]:
-        """The head dims a backend's capabilities constrain."""
-        return {"K": self.key_dim, "V": self.value_dim}
-
-    def with_chunk_size(self, default: int) -> DeltaRuleProblem:
-        """This problem with `default` as its chunk size where the caller gave none."""
-        if self.chunk_size is not None:
-            return self
-        return dataclasses.replace(self, chunk_size=default)
 
     def features(self) -> tuple[str, ...]:
         """The optional features this problem uses (common/capabilities.DELTA_RULE_FEATURES)."""

@@ -32,7 +32,7 @@ from gla_tpu.ops.common.chunk_cumsum import SUB_CHUNK
 from gla_tpu.ops.common.gates import GATE_FLOOR
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.ops.common.segments import segment_index, token_starts
-from gla_tpu.ops.delta_rule.reference import L2NORM_EPS
+from gla_tpu.ops.delta_rule.reference import l2_normalize
 from gla_tpu.ops.delta_rule.validation import (
     CHUNK_SIZES,
     GATE_KINDS,
@@ -65,7 +65,7 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
     cd = state_dtype(problem.dtype)
     q, k = q.astype(cd), k.astype(cd)
     if problem.use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2_normalize(q), l2_normalize(k)
     v_ = v.astype(cd).reshape(b, t, h, grp, vd)
     beta = beta.astype(cd).reshape(b, t, h, grp)
     # Gates as [B, T, H, G, Kg], Kg = K (per key) or 1 (per head), or None (DeltaNet).
@@ -87,11 +87,6 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
     if not problem.output_final_state:
         return o, None
     return o, final.reshape(b, h * grp, kd, vd)
-
-
-def _l2norm(x):
-    """fla's l2norm over the last dim: x / sqrt(sum x^2 + 1e-6)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def _recurrent(q, k, v, beta, gates, s0, starts, scale):

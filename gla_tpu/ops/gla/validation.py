@@ -17,7 +17,7 @@ AUTO_RECURRENT_MAX_T = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class GLAProblem:
+class GLAProblem(v.ChunkedProblem):
     """What every backend receives after validation."""
 
     batch: int
@@ -33,16 +33,6 @@ class GLAProblem:
     output_final_state: bool
     has_segments: bool
     dtype: jnp.dtype
-
-    def sizes(self) -> dict[str, int]:
-        """The head dims a backend's capabilities constrain."""
-        return {"K": self.key_dim, "V": self.value_dim}
-
-    def with_chunk_size(self, default: int) -> GLAProblem:
-        """This problem with `default` as its chunk size where the caller gave none."""
-        if self.chunk_size is not None:
-            return self
-        return dataclasses.replace(self, chunk_size=default)
 
     def features(self) -> tuple[str, ...]:
         """The optional features this problem uses (common/capabilities.GLA_FEATURES)."""

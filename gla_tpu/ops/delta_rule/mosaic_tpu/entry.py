@@ -19,7 +19,7 @@ from gla_tpu.ops.common.segments import relative_segments, segment_index
 from gla_tpu.ops.delta_rule.mosaic_tpu import vjp
 from gla_tpu.ops.common.tpu import target_tpu_info, tpu_interpret_params
 from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes, decode_block_h, inverse_chunks
-from gla_tpu.ops.delta_rule.reference import L2NORM_EPS
+from gla_tpu.ops.delta_rule.reference import l2_normalize
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, chunks_per_grid_step
 
@@ -75,7 +75,7 @@ def _decode(q, k, v, beta, g, initial_state, *, problem, interpret):
     b, _, h, kd = q.shape
     hv, vd = problem.num_value_heads, problem.value_dim
     if problem.use_qk_l2norm:  # kept in float32, as the "xla" step takes them
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = (l2_normalize(x.astype(jnp.float32)) for x in (q, k))
     gates = None
     if g is not None:
         gates = g.astype(jnp.float32).reshape(b, hv, kd if g.ndim == 4 else 1)
@@ -94,7 +94,7 @@ def _chunked(q, k, v, beta, g, initial_state, segment_ids, *, problem, interpret
     c = problem.chunk_size
     dt = jnp.dtype(q.dtype)
     if problem.use_qk_l2norm:
-        q, k = (_l2norm(x).astype(dt) for x in (q, k))
+        q, k = (l2_normalize(x.astype(jnp.float32)).astype(dt) for x in (q, k))
     q_p, k_p, v_p = (pad_time(x, c) for x in (q, k, v))
     beta_p = pad_time(beta.astype(jnp.float32), c)
     tp = q_p.shape[1]
@@ -116,9 +116,3 @@ def _chunked(q, k, v, beta, g, initial_state, segment_ids, *, problem, interpret
     with jax.named_scope("delta_rule_mosaic_tpu_chunk"):
         o, final = vjp.chunked(cfg, pack, interpret, q_p, k_p, v_p, beta_p, gates, s0, rel)
     return o[:, :t], (final if problem.output_final_state else None)
-
-
-def _l2norm(x):
-    """fla's l2norm over the last dim, in float32: x / sqrt(sum x^2 + 1e-6)."""
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + L2NORM_EPS)

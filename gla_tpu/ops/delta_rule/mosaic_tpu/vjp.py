@@ -16,24 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from gla_tpu.ops.delta_rule.mosaic_tpu import kernels_chunk, kernels_decode
-from gla_tpu.ops.gla.mosaic_tpu.plan import seq_pack, seq_unpack, transpose_state
+from gla_tpu.ops.gla.mosaic_tpu.plan import (
+    chunk_kernel_arrays,
+    seq_pack,
+    seq_unpack,
+    transpose_state,
+)
 
 
 def _arrays(cfg, q, k, v, beta, gates, s0, rel):
-    """The kernels' layouts (those of GLA's chunked kernels, docs/gla_mosaic_tpu.md)."""
-    arrays = {"q": seq_pack(q), "k": seq_pack(k), "v": seq_pack(v),
-              "beta": jnp.transpose(beta, (0, 2, 1))[..., None]}  # [B, HV, T, 1]
-    if cfg.gate_kind == "key":
-        arrays["g"] = seq_pack(gates)
-    elif cfg.gate_kind == "head":
-        gh = jnp.transpose(gates, (0, 2, 1))  # [B, HV, T]
-        arrays["gcol"] = gh[..., None]
-        arrays["grow"] = gh.reshape(cfg.batch, cfg.num_heads, cfg.num_chunks, 1, cfg.chunk)
-    if rel is not None:
-        arrays["segcol"] = rel[..., None]
-        arrays["segrow"] = rel.reshape(cfg.batch, cfg.num_chunks, 1, cfg.chunk)
-    if s0 is not None:
-        arrays["s0"] = transpose_state(s0)
+    """The kernels' layouts: GLA's chunked kernels' (`chunk_kernel_arrays`), per-head log gates
+    as "gcol" and "grow", and beta as a column [B, HV, T, 1]."""
+    arrays = chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel, head_gate_names=("gcol", "grow"))
+    arrays["beta"] = jnp.transpose(beta, (0, 2, 1))[..., None]
     return arrays
 
 

@@ -190,17 +190,19 @@ def seq_unpack(y, num_heads: int, d: int):
     return jnp.transpose(y, (0, 2, 1, 3))
 
 
-def chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel):
+def chunk_kernel_arrays(cfg, q, k, v, gates, s0, rel, head_gate_names=("bcol", "brow")):
     """Arrays in the layouts the kernels read (docs/gla_mosaic_tpu.md). `gates`: per-key log
-    gates g [B, T, H, K] float32 (the kernels take their sums), per-head chunk-local sums
-    [B, T, H] float32, or None."""
+    gates g [B, T, H, K] float32 (the kernels take their sums), per-head [B, T, H] float32 (GLA:
+    chunk-local sums; the delta rule: log gates, as "gcol", "grow"), or None. The per-head array
+    goes in as a column [B, H, T, 1] and as rows [B, H, N, 1, C], named `head_gate_names`."""
     arrays = {"q": seq_pack(q), "k": seq_pack(k), "v": seq_pack(v)}
     if cfg.gate_kind == "key":
         arrays["g"] = seq_pack(gates)
     elif cfg.gate_kind == "head":
         bh = jnp.transpose(gates, (0, 2, 1))  # [B, H, T]
-        arrays["bcol"] = bh[..., None]
-        arrays["brow"] = bh.reshape(cfg.batch, cfg.num_heads, cfg.num_chunks, 1, cfg.chunk)
+        col, row = head_gate_names
+        arrays[col] = bh[..., None]
+        arrays[row] = bh.reshape(cfg.batch, cfg.num_heads, cfg.num_chunks, 1, cfg.chunk)
     if rel is not None:
         arrays["segcol"] = rel[..., None]
         arrays["segrow"] = rel.reshape(cfg.batch, cfg.num_chunks, 1, cfg.chunk)
