@@ -52,6 +52,9 @@ def _child(spec: Spec) -> None:
 
     compile_for_tpu(lambda x: x * 2, jax.ShapeDtypeStruct((8, 128), jnp.float32),
                     generation=spec.generation)
+    # deltanet-tpu runs in interpret mode unless the default backend is "tpu" while tracing
+    # (as in bench.tpu_static's children).
+    jax.default_backend = lambda: "tpu"
     fn, args = _program(spec)
     sharding = _single_device_sharding(spec.generation)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
