@@ -255,9 +255,10 @@ DELTA_RULE_SHAPES = [(1, 8192, 16, 16, 128, 128, "head"), (1, 8192, 16, 32, 128,
 
 
 def _delta_rule_program(spec: Spec):
-    """The delta rule of shape (B, T, H, HV, K, V, gate), mode "chunk": ours (mosaic_tpu, chunk
-    64, q and k l2-normalized in the op) or deltanet-tpu's chunk_gdn / chunk_kda /
-    chunk_delta_rule (chunk 128, precision "bf16", qk_l2norm)."""
+    """The delta rule of shape (B, T, H, HV, K, V, gate), mode "chunk" (option "mode":
+    "fused_recurrent" for ours): ours (mosaic_tpu, chunk 64, q and k l2-normalized in the op) or
+    deltanet-tpu's chunk_gdn / chunk_kda / chunk_delta_rule (chunk 128, precision "bf16",
+    qk_l2norm)."""
     import jax
     import jax.numpy as jnp
 
@@ -277,8 +278,10 @@ def _delta_rule_program(spec: Spec):
 
             sizes = BlockSizes(profiler_safe=True)
 
+        mode = dict(spec.options).get("mode", "chunk")
+
         def fn(q, k, v, beta, *g_):
-            return ops.delta_rule(q, k, v, beta, *g_, mode="chunk", use_qk_l2norm=True,
+            return ops.delta_rule(q, k, v, beta, *g_, mode=mode, use_qk_l2norm=True,
                                   backend="mosaic_tpu", block_sizes=sizes)[0]
     elif spec.impl == "deltanet_tpu":
         import deltanet_tpu

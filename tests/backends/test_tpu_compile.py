@@ -432,6 +432,38 @@ def test_delta_rule_decode_step_compiles(generation, shape):
     assert expected <= compiled.memory_analysis().output_size_in_bytes <= 1.01 * expected
 
 
+# The delta rule's fused_recurrent at T > 1 (GLA's time-blocked kernels with the delta update):
+# name -> (gate, B, T, H, HV, K, V), forward+backward and forward only. A prefill of a few
+# hundred tokens per sequence, grouped value heads, and K, V of 64 and 256.
+DELTA_RULE_RECURRENT = {
+    "head-B8-T256-H16-HV32-K128-V128": ("head", 8, 256, 16, 32, 128, 128),
+    "key-B4-T200-H8-HV8-K256-V256": ("key", 4, 200, 8, 8, 256, 256),
+    "none-B2-T512-H8-HV16-K64-V64": ("none", 2, 512, 8, 16, 64, 64),
+}
+DELTA_RULE_RECURRENT_DEFAULT = {
+    "head-B8-T256-H16-HV32-K128-V128": {"fwd_bwd": ("v5e",), "fwd": ("v6e",)},
+    "key-B4-T200-H8-HV8-K256-V256": {"fwd_bwd": ("v6e",), "fwd": ("v4",)},
+    "none-B2-T512-H8-HV16-K64-V64": {"fwd_bwd": ("7x",), "fwd": ("v5p",)},
+}
+
+
+def _delta_rule_recurrent(q, k, v, beta, s0, g=None):
+    return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                          use_qk_l2norm=True, mode="fused_recurrent", backend="mosaic_tpu")
+
+
+@pytest.mark.parametrize("name,generation,passes", [
+    pytest.param(n, gen, p, id=f"{n}-{gen}-{p}",
+                 marks=() if gen in DELTA_RULE_RECURRENT_DEFAULT[n][p] else FULL)
+    for n in DELTA_RULE_RECURRENT for gen in TPU_GENERATIONS for p in ("fwd_bwd", "fwd")])
+def test_delta_rule_fused_recurrent_compiles(name, generation, passes):
+    gate, *shape = DELTA_RULE_RECURRENT[name]
+    args = _delta_rule_args(gate, *shape)
+    fn = (_delta_rule_recurrent if passes == "fwd"
+          else _grad_of_sum(_delta_rule_recurrent, tuple(range(len(args)))))
+    assert compile_for_tpu(fn, *args, generation=generation) is not None
+
+
 # The harness itself.
 
 

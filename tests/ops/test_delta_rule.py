@@ -162,6 +162,40 @@ def test_mosaic_tpu_decode_step_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
+# The token-by-token kernels (mode "fused_recurrent", T > 1; GLA's kernels with the delta
+# update): each variant, grouped value heads, segments, states, strong and Kimi gates, both
+# dtypes, K != V, several time blocks and V blocks (BlockSizes' recurrent fields), T = 2.
+RECURRENT_KERNEL_CASES = {
+    "head-gva-seg-T20-f32": (C(1, 20, 1, 2, 64, 64, gate="head", initial_state=True,
+                               segments=True), F32, None),
+    "key-kimi-T37-K64-V128-bf16": (C(2, 37, 2, 2, 64, 128, gate="key", gate_law="kimi",
+                                     initial_state=True), BF16, None),
+    "key-strong-T19-V256-blocks-bf16": (C(1, 19, 2, 4, 64, 256, gate="key", gate_strength=16.0,
+                                          initial_state=True, segments=True,
+                                          use_qk_l2norm=False), BF16,
+                                        dict(block_v_recurrent=128, block_t_recurrent=8)),
+}
+FULL_RECURRENT_KERNEL_CASES = {
+    "none-seg-T13-K128-V64-f32": (C(1, 13, 1, 1, 128, 64, gate="none", segments=True), F32,
+                                  None),
+    "head-kimi-T2-K256-f32": (C(2, 2, 1, 2, 256, 128, gate="head", gate_law="kimi",
+                                initial_state=True), F32, None),
+    "head-kimi-T16-no-state-bf16": (C(1, 16, 1, 2, 128, 128, gate="head", gate_law="kimi",
+                                      output_final_state=False), BF16, None),
+}
+
+
+@pytest.mark.parametrize("case,dtype,blocks", [
+    pytest.param(*v, id=n) for n, v in RECURRENT_KERNEL_CASES.items()] + [
+    pytest.param(*v, id=n, marks=pytest.mark.full)
+    for n, v in FULL_RECURRENT_KERNEL_CASES.items()])
+def test_mosaic_tpu_fused_recurrent_against_float64_recurrence(case, dtype, blocks):
+    from gla_tpu.ops.delta_rule.mosaic_tpu import BlockSizes
+
+    check_delta_rule_parity(case, dtype=dtype, mode="fused_recurrent", backend="mosaic_tpu",
+                            interpret=True, block_sizes=blocks and BlockSizes(**blocks))
+
+
 @pytest.mark.parametrize("pack", [1, 4])
 def test_mosaic_tpu_block_diagonal_inverse_of_1_and_4_chunks(pack):
     """The inverses formed one chunk at a time and four at a time (BlockSizes.inverse_chunks; the
@@ -194,7 +228,9 @@ MODES_GATES = [("chunk", "head"), ("chunk", "key"), ("fused_recurrent", "key"),
                pytest.param("fused_recurrent", "head", marks=pytest.mark.full)]
 # The "mosaic_tpu" kernels (interpret mode) at K = V = 64, the smallest they take.
 MOSAIC_GATES = [("chunk", "key", "mosaic_tpu"),
-                pytest.param("chunk", "head", "mosaic_tpu", marks=pytest.mark.full)]
+                pytest.param("chunk", "head", "mosaic_tpu", marks=pytest.mark.full),
+                pytest.param("fused_recurrent", "key", "mosaic_tpu", marks=pytest.mark.full),
+                ("fused_recurrent", "head", "mosaic_tpu")]
 
 
 @pytest.mark.parametrize("mode,gate,backend", [
@@ -328,11 +364,9 @@ BETA64 = jnp.full((1, 32, 1), 0.5, jnp.float32)
 
 @pytest.mark.parametrize("x,kwargs,reason", [
     (X, {}, "takes K 64, 128, 256; got K=16"),
-    (X64, {"mode": "fused_recurrent"}, "runs mode 'fused_recurrent' at T = 1 only (the decode "
-                                       "step); got T=32. mode='chunk' or"),
     (X64, {"chunk_size": 128}, "runs chunk_size 64; got chunk_size=128"),
     (X64.astype(jnp.float16), {}, "takes bfloat16, float32 q, k, v; got float16"),
-], ids=["K16", "fused_recurrent", "chunk128", "float16"])
+], ids=["K16", "chunk128", "float16"])
 def test_mosaic_tpu_refuses_what_it_cannot_take(x, kwargs, reason):
     beta = BETA if x.shape[-1] == 16 else BETA64
     with pytest.raises(NotImplementedError,

@@ -3,7 +3,9 @@
 Mode "chunk": pad T to a multiple of the chunk (padded tokens have beta = 0 and g = 0 and leave
 the state unchanged), l2-normalize q and k when asked (in XLA, differentiated by autodiff), the
 segment index relative to each chunk's entering state, then run vjp.chunked; the kernels take
-the gates' range sums themselves. docs/delta_rule_mosaic_tpu.md describes the kernels.
+the gates' range sums themselves. Mode "fused_recurrent": at T = 1 the decode kernel; else GLA's
+token-by-token kernels with the delta update (gla/mosaic_tpu/kernels_recurrent.py, `delta=True`)
+and the per-token segment keep. docs/delta_rule_mosaic_tpu.md describes the kernels.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.common.capabilities import DELTA_RULE_FEATURES, Capabilities, Dims
 from gla_tpu.ops.common.padding import pad_segment_index, pad_time
-from gla_tpu.ops.common.segments import relative_segments, segment_index
+from gla_tpu.ops.common.segments import relative_segments, segment_index, token_keeps
 from gla_tpu.ops.delta_rule.mosaic_tpu import vjp
 from gla_tpu.ops.common.tpu import target_tpu_info, tpu_interpret_params
 from gla_tpu.ops.delta_rule.mosaic_tpu.plan import BlockSizes, decode_block_h, inverse_chunks
 from gla_tpu.ops.delta_rule.reference import l2_normalize
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
-from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, chunks_per_grid_step
+from gla_tpu.ops.gla.mosaic_tpu import vjp as gla_vjp
+from gla_tpu.ops.gla.mosaic_tpu.plan import ChunkConfig, chunks_per_grid_step, recurrent_plan
 
 # K and V: 64, 128 or 256 (the sizes the compile tests cover; the state [V, K] float32 and one
 # chunk's blocks stay in VMEM).
@@ -34,7 +37,8 @@ CAPABILITIES = Capabilities(
     chunk_sizes=(64,),
     notes="chunked kernels (chunk): one sequential forward kernel (WY representation by "
           "block-diagonal inverses) and one reverse backward kernel incl. dbeta and dg; "
-          "fused_recurrent at T = 1 only: the decode kernel (backward through XLA)",
+          "token-by-token kernels (fused_recurrent), forward and backward; the T = 1 step: a "
+          "decode kernel (backward through XLA)",
     block_sizes=BlockSizes,
 )
 
@@ -42,11 +46,9 @@ CAPABILITIES = Capabilities(
 def check_supported(problem, block_sizes) -> None:
     CAPABILITIES.check(problem, block_sizes)
     if problem.mode == "fused_recurrent":
-        if problem.seq_len != 1:
-            raise NotImplementedError(
-                f"the 'mosaic_tpu' delta_rule runs mode 'fused_recurrent' at T = 1 only (the "
-                f"decode step); got T={problem.seq_len}. mode='chunk' or backend='xla' takes it.")
-        if _decode_block_h(problem) is None:
+        if problem.seq_len > 1:
+            recurrent_plan(problem, (block_sizes or BlockSizes()).recurrent(), delta=True)
+        elif _decode_block_h(problem) is None:
             raise NotImplementedError(
                 f"the 'mosaic_tpu' delta_rule decode kernel fits no block of value heads for "
                 f"HV={problem.num_value_heads}, H={problem.num_heads}, K={problem.key_dim}, "
@@ -62,9 +64,13 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
     """The "mosaic_tpu" delta rule; see `gla_tpu.ops.delta_rule` (arguments validated, g
     floored). Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None)."""
     block_sizes = block_sizes or BlockSizes()
-    if problem.mode == "fused_recurrent":  # T = 1 (check_supported)
+    if problem.mode == "fused_recurrent" and problem.seq_len == 1:
         return _decode(q, k, v, beta, g, initial_state, problem=problem,
                        interpret=tpu_interpret_params(interpret))
+    if problem.mode == "fused_recurrent":
+        return _recurrent(q, k, v, beta, g, initial_state, segment_ids, problem=problem,
+                          interpret=tpu_interpret_params(interpret),
+                          block_sizes=block_sizes.recurrent())
     return _chunked(q, k, v, beta, g, initial_state, segment_ids, problem=problem,
                     interpret=interpret, block_sizes=block_sizes)
 
@@ -85,6 +91,23 @@ def _decode(q, k, v, beta, g, initial_state, *, problem, interpret):
                           q.reshape(b, h, kd), k.reshape(b, h, kd), v.reshape(b, hv, vd),
                           beta.astype(jnp.float32).reshape(b, hv, 1), gates, s0)
     return o.reshape(b, 1, hv, vd), final
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "interpret", "block_sizes"))
+def _recurrent(q, k, v, beta, g, initial_state, segment_ids, *, problem, interpret, block_sizes):
+    """T > 1 token by token: GLA's time-blocked kernels with the delta update."""
+    plan = recurrent_plan(problem, block_sizes, delta=True)
+    if problem.use_qk_l2norm:  # kept in float32, as the "xla" recurrence takes them
+        q, k = (l2_normalize(x.astype(jnp.float32)) for x in (q, k))
+    gates = None if g is None else g.astype(jnp.float32)
+    keep = None
+    if plan.cfg.has_keep:  # [B, T]: 0 where a new segment starts
+        keep = token_keeps(segment_index(segment_ids)).astype(jnp.float32)
+    s0 = None if initial_state is None else initial_state.astype(jnp.float32)
+    core = gla_vjp.recurrent(plan, interpret)
+    with jax.named_scope("delta_rule_mosaic_tpu_fused_recurrent"):
+        o, final = core(q, k, v, gates, keep, s0, beta.astype(jnp.float32))
+    return o, (final if problem.output_final_state else None)
 
 
 @functools.partial(jax.jit, static_argnames=("problem", "interpret", "block_sizes"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from gla_tpu.ops.gla.mosaic_tpu.plan import BlockSizes as GlaBlockSizes
+
 # Chunks whose inverses one block-diagonal product chain forms, where the chip is not known.
 DEFAULT_INVERSE_CHUNKS = 2
 
@@ -19,10 +21,16 @@ class BlockSizes:
     profiler_safe: the intra-chunk masks as 0/1 products instead of selects, for libtpu's static
       profiler on v5e and v5p (GLA's `BlockSizes.profiler_safe`, docs/tpu_static_estimate.md);
       the same values.
+    block_t_recurrent, block_v_recurrent: fused_recurrent (T > 1): tokens per grid step (a
+      multiple of 8, also the backward's recompute interval) and V columns of the state per grid
+      step (a multiple of 128 dividing V, or V); None picks them (GLA's `BlockSizes` fields of
+      the same names, whose kernels these are).
     """
 
     inverse_chunks: int | None = None
     profiler_safe: bool = False
+    block_t_recurrent: int | None = None
+    block_v_recurrent: int | None = None
 
     def __post_init__(self):
         if self.inverse_chunks is not None and self.inverse_chunks not in (1, 2, 4, 8):
@@ -31,6 +39,12 @@ class BlockSizes:
         if not isinstance(self.profiler_safe, bool):
             raise ValueError(f"BlockSizes.profiler_safe must be True or False; got "
                              f"{self.profiler_safe!r}.")
+        self.recurrent()  # GLA's checks of the fused_recurrent fields
+
+    def recurrent(self) -> GlaBlockSizes:
+        """The fused_recurrent fields as GLA's BlockSizes, which the shared kernels plan with."""
+        return GlaBlockSizes(block_t_recurrent=self.block_t_recurrent,
+                             block_v_recurrent=self.block_v_recurrent)
 
 
 def inverse_chunks(block_sizes: BlockSizes, chunk: int, chunks_per_step: int,

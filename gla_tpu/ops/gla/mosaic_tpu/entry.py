@@ -131,5 +131,5 @@ def _fused_recurrent(q, k, v, g, *, problem, initial_state, segment_ids, interpr
         # [B, T]: 0 where a new segment starts
         keep = token_keeps(segment_index(segment_ids)).astype(jnp.float32)
     core = vjp.recurrent(plan, tpu_interpret_params(interpret))
-    o, final = core(q, k, v, gates, keep, initial_state)
+    o, final = core(q, k, v, gates, keep, initial_state, None)
     return o, (final if problem.output_final_state else None)

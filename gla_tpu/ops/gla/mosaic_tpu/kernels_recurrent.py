@@ -1,10 +1,13 @@
-"""Pallas TPU (Mosaic) kernels of token-by-token gated linear attention; no autodiff in here.
+"""Pallas TPU (Mosaic) kernels of token-by-token gated linear attention and the delta rule; no
+autodiff in here.
 
 Notation (docs/gla_mosaic_tpu_recurrent.md): per batch row and head the state S_t [K, V] follows
   S_t = a_t * S_{t-1} + k_t^T v_t,   o_t = scale * q_t S_t,
 with the decay a_t = keep_t * exp(g_t), a [K, 1] column (per-key gate) or a scalar (per-head gate,
 or only keep_t where there is no gate); keep_t is 0 where a new segment starts. g <= 0, so every
-exponential is of a non-positive number.
+exponential is of a non-positive number. The delta rule (`RecurrentConfig.delta`,
+docs/delta_rule_mosaic_tpu.md) writes u_t = beta_t * (v_t - k_t S'_t) in place of v_t, with
+S'_t = a_t * S_{t-1}; its grid heads are the value heads, q and k read at head h // group.
 
 Two kernels, each over arrays already in "kernel layout" (plan.py builds them); the T = 1 decode
 kernel is in kernels_decode.py:
@@ -65,6 +68,7 @@ class _Tokens:
         self.q = refs["q"][rows, :].astype(f32).T * cfg.scale if need_q else None  # [K, SUBBLOCK]
         self.do = refs["do"][rows, :].astype(f32) if need_do else None  # [SUBBLOCK, bv]
         self.decay = _decay_block(refs, rows, cfg)
+        self.beta = refs["beta"][rows, :] if cfg.delta else None  # [SUBBLOCK, 1] float32
 
     def k_col(self, i):
         return _col(self.k, i)
@@ -77,6 +81,10 @@ class _Tokens:
 
     def do_row(self, i):
         return _row(self.do, i)
+
+    def beta_of(self, i):
+        """The delta rule's beta_i as [1, 1], or None (GLA)."""
+        return None if self.beta is None else _row(self.beta, i)
 
     def a(self, i):
         """The decay a_i: [K, 1] (per-key gate), [1, 1] (per-head / keep only) or None."""
@@ -118,10 +126,13 @@ def _decay_block(refs, rows, cfg: RecurrentConfig):
     return decay
 
 
-def advance_state(state, a, k_col, v_row):
-    """S_t = a_t * S_{t-1} + k_t^T v_t on a [K, bv] float32 state."""
+def advance_state(state, a, k_col, v_row, beta=None):
+    """S_t = a_t * S_{t-1} + k_t^T v_t on a [K, bv] float32 state; with the delta rule's beta,
+    v_t is replaced by beta_t * (v_t - k_t S'_t), S'_t = a_t * S_{t-1}."""
     if a is not None:
         state = a * state
+    if beta is not None:
+        v_row = beta * (v_row - jnp.sum(k_col * state, axis=0, keepdims=True))
     return state + k_col * v_row
 
 
@@ -169,7 +180,7 @@ def _forward_kernel(*refs, cfg: RecurrentConfig, names, emit_o, emit_final, emit
 
         def token(i, carry):
             state, out = carry
-            state = advance_state(state, tok.a(i), tok.k_col(i), tok.v_row(i))
+            state = advance_state(state, tok.a(i), tok.k_col(i), tok.v_row(i), tok.beta_of(i))
             if emit_o:
                 out = place_row(out, i, jnp.sum(tok.q_col(i) * state, axis=0, keepdims=True))
             return state, out
@@ -191,12 +202,13 @@ def _forward_kernel(*refs, cfg: RecurrentConfig, names, emit_o, emit_final, emit
 
 def recurrent_forward(q, k, v, g, keep, s0, *, cfg: RecurrentConfig, layouts, nt: int, nv: int,
                       emit_o: bool, emit_final: bool, emit_checkpoints: bool, o_shape, o_dtype,
-                      interpret):
+                      interpret, beta=None):
     """Runs the forward recurrence over kernel-layout arrays.
 
     Args:
       q, k: kernel-layout [.., T, .., K] arrays (see TimeOperand); v likewise with V.
-      g: per-key like q, per-head "head_column" [B, H, T, 1] float32, or None.
+      g: per-key like v's heads, per-head "head_column" [B, H, T, 1] float32, or None.
+      beta: the delta rule's "head_column" [B, H, T, 1] float32 (cfg.delta), else None.
       keep: [B, T, 1] float32 (1 = continue, 0 = segment start) or None.
       s0: [B, H, K, V] float32 or None.
       layouts: dict name -> TimeOperand for q, k, v, g, keep, o.
@@ -205,10 +217,10 @@ def recurrent_forward(q, k, v, g, keep, s0, *, cfg: RecurrentConfig, layouts, nt
       a tuple with the requested outputs, in order: o (o_shape, o_dtype), final [B, H, K, V]
       float32, checkpoints [B, H, NT, K, V] float32 (the state entering each time block).
     """
-    b, h, kd, vd = _state_dims(k, v, layouts)
+    b, h, kd, vd = _state_dims(k, v, layouts, cfg.group)
     fwd_t = lambda t: t  # noqa: E731
     names, args, in_specs = [], [], []
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("keep", keep)):
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("keep", keep)):
         if x is None or (name == "q" and not emit_o):
             continue
         names.append(name)
@@ -270,7 +282,7 @@ def _backward_kernel(*refs, cfg: RecurrentConfig, names):
         tok = _Tokens(r, _sub_rows(s), cfg, need_q=False, need_do=False)
 
         def token(i, state):
-            state = advance_state(state, tok.a(i), tok.k_col(i), tok.v_row(i))
+            state = advance_state(state, tok.a(i), tok.k_col(i), tok.v_row(i), tok.beta_of(i))
             states[s * SUBBLOCK + i + 1] = state
             return state
 
@@ -289,37 +301,53 @@ def _backward_kernel(*refs, cfg: RecurrentConfig, names):
 
         def token(i_rev, carry):
             # dsum: dL/dS_t through the tokens after t; state: S_t.
-            dsum, state, dq, dk, dv, dg = carry
+            dsum, state, dq, dk, dv, dg, db = carry
             i = SUBBLOCK - 1 - i_rev
             prev = states[s * SUBBLOCK + i]  # S_{t-1}
-            do_i = tok.do_row(i)
+            a = tok.a(i)
+            k_i, v_i, do_i = tok.k_col(i), tok.v_row(i), tok.do_row(i)
             grad = dsum + tok.q_col(i) * do_i  # dL/dS_t, token t's own output included
             dq = place_col(dq, i, jnp.sum(state * do_i, axis=1, keepdims=True))
-            dk = place_col(dk, i, jnp.sum(grad * tok.v_row(i), axis=1, keepdims=True))
-            dv = place_row(dv, i, jnp.sum(tok.k_col(i) * grad, axis=0, keepdims=True))
-            a = tok.a(i)
+            du = jnp.sum(k_i * grad, axis=0, keepdims=True)  # [1, bv]: dL/d(written value)
+            if cfg.delta:
+                # S_t = S' + k^T u, u = beta (v - k S'): the pullbacks through u and k S'.
+                beta = tok.beta_of(i)
+                decayed = prev if a is None else a * prev  # S'
+                residual = v_i - jnp.sum(k_i * decayed, axis=0, keepdims=True)  # v - k S'
+                dp = -beta * du  # dL/d(k S')
+                key_grad = grad * (beta * residual) + decayed * dp  # [K, bv]
+                db = place_row(db, i, jnp.sum(du * residual, axis=1, keepdims=True))
+                du = beta * du
+                grad = grad + k_i * dp  # dL/dS'
+            else:
+                key_grad = grad * v_i
+            dk = place_col(dk, i, jnp.sum(key_grad, axis=1, keepdims=True))
+            dv = place_row(dv, i, du)
             if a is None:
-                return grad, prev, dq, dk, dv, dg
+                return grad, prev, dq, dk, dv, dg, db
             if has_dg:
                 gs = jnp.sum(grad * prev, axis=1, keepdims=True)  # [K, 1]
                 if per_key:
                     dg = place_col(dg, i, a * gs)
                 else:
                     dg = place_row(dg, i, a * jnp.sum(gs, axis=0, keepdims=True))
-            return a * grad, prev, dq, dk, dv, dg
+            return a * grad, prev, dq, dk, dv, dg, db
 
         dsum, state = carry
         dq = jnp.zeros((kd, SUBBLOCK), jnp.float32)  # columns of the sub-block's tokens
         dk = jnp.zeros((kd, SUBBLOCK), jnp.float32)
         dv = jnp.zeros((SUBBLOCK, bv), jnp.float32)  # rows
         dg = jnp.zeros((kd, SUBBLOCK) if per_key else (SUBBLOCK, 1), jnp.float32)
-        dsum, state, dq, dk, dv, dg = jax.lax.fori_loop(
-            0, SUBBLOCK, token, (dsum, state, dq, dk, dv, dg))
+        db = jnp.zeros((SUBBLOCK, 1), jnp.float32)
+        dsum, state, dq, dk, dv, dg, db = jax.lax.fori_loop(
+            0, SUBBLOCK, token, (dsum, state, dq, dk, dv, dg, db))
         r["dq"][rows, :] = (dq * cfg.scale).T.astype(r["dq"].dtype)
         r["dk"][rows, :] = dk.T.astype(r["dk"].dtype)
         r["dv"][rows, :] = dv.astype(r["dv"].dtype)
         if has_dg:
             r["dg"][rows, :] = (dg.T if per_key else dg).astype(r["dg"].dtype)
+        if cfg.delta:
+            r["dbeta"][rows, :] = db
         return dsum, state
 
     dsum, _ = jax.lax.fori_loop(0, n_sub, reverse, (r["carry"][...], states[cfg.block_t]))
@@ -332,22 +360,25 @@ def _backward_kernel(*refs, cfg: RecurrentConfig, names):
 
 
 def recurrent_backward(q, k, v, g, keep, do, checkpoints, dfinal, *, cfg: RecurrentConfig, layouts,
-                       nt: int, nv: int, has_initial_state: bool, grad_dtypes, interpret):
+                       nt: int, nv: int, has_initial_state: bool, grad_dtypes, interpret,
+                       beta=None):
     """The reversed recurrence, time blocks from last to first.
 
     Args:
-      q, k, v, g, keep: as for `recurrent_forward`; do: like o.
+      q, k, v, g, keep, beta: as for `recurrent_forward`; do: like o.
       checkpoints: [B, H, NT, K, V] float32, the state entering each time block.
       dfinal: [B, H, K, V] float32 cotangent of the final state, or None.
       grad_dtypes: dict name -> dtype for dq, dk, dv, dg.
     Returns:
-      (dq, dk, dv, dg or None, d_initial_state or None); dq, dk, dg carry a leading [NV] axis of
-      partial sums over V blocks (the layouts' `partial` flag).
+      (dq, dk, dv, dg or None, dbeta or None, d_initial_state or None); dq, dk, dg, dbeta carry a
+      leading [NV] axis of partial sums over V blocks (the layouts' `partial` flag); dq and dk are
+      per grid head (with cfg.group > 1 the caller sums each group).
     """
-    b, h, kd, vd = _state_dims(k, v, layouts)
+    b, h, kd, vd = _state_dims(k, v, layouts, cfg.group)
     rev_t = lambda t: nt - 1 - t  # noqa: E731
     names, args, in_specs = [], [], []
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("keep", keep), ("do", do)):
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g), ("keep", keep),
+                    ("do", do)):
         if x is None:
             continue
         names.append(name)
@@ -361,11 +392,14 @@ def recurrent_backward(q, k, v, g, keep, do, checkpoints, dfinal, *, cfg: Recurr
         args.append(dfinal)
         in_specs.append(_state_spec(kd, cfg.block_v))
     out_shapes, out_specs = [], []
-    grads = ["dq", "dk", "dv"] + (["dg"] if g is not None else [])
-    sources = {"dq": q, "dk": k, "dv": v, "dg": g}
+    grads = (["dq", "dk", "dv"] + (["dg"] if g is not None else [])
+             + (["dbeta"] if cfg.delta else []))
+    sources = {"dq": q, "dk": k, "dv": v, "dg": g, "dbeta": beta}
     for name in grads:
         layout = layouts[name]
         shape = sources[name].shape
+        if name in ("dq", "dk") and cfg.group > 1:  # per grid head
+            shape = _with_heads(shape, layouts[name], cfg.group)
         if layout.partial:
             shape = (nv,) + shape
         names.append(name)
@@ -394,17 +428,26 @@ def recurrent_backward(q, k, v, g, keep, do, checkpoints, dfinal, *, cfg: Recurr
     outs = list(outs)
     dq, dk, dv = outs[:3]
     dg = outs[3] if g is not None else None
+    dbeta = outs[len(grads) - 1] if cfg.delta else None
     ds0 = outs[-1] if has_initial_state else None
-    return dq, dk, dv, dg, ds0
+    return dq, dk, dv, dg, dbeta, ds0
 
 
-def _state_dims(k, v, layouts):
-    """(B, H, K, V) of kernel-layout k and v."""
+def _with_heads(shape, layout, group: int):
+    """A q/k kernel-layout shape with `group` times the heads."""
+    if layout.kind == "head_major":  # [B, H, T, D]
+        return (shape[0], shape[1] * group) + tuple(shape[2:])
+    return tuple(shape[:2]) + (shape[2] * group,)  # [B, T, H*D]
+
+
+def _state_dims(k, v, layouts, group: int = 1):
+    """(B, grid heads, K, V) of kernel-layout k and v; grid heads are k's heads times group."""
     b = k.shape[0]
     if layouts["k"].kind == "head_major":
         h, kd = k.shape[1], k.shape[3]
     else:
         kd = layouts["k"].block_d
         h = k.shape[2] // kd
+    h *= group
     vd = v.shape[3] if layouts["v"].kind == "head_major" else v.shape[2] // h
     return b, h, kd, vd

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -228,6 +229,10 @@ class RecurrentConfig:
     key_dim: int  # K as laid out for the kernel (padded)
     block_t: int  # tokens per grid step, a multiple of SUBBLOCK
     block_v: int  # V columns of the state per grid step
+    # The delta rule (docs/delta_rule_mosaic_tpu.md): each token writes beta_t * (v_t - k_t S')
+    # instead of v_t, S' the decayed state; a per-head beta input, a dbeta output.
+    delta: bool = False
+    group: int = 1  # grid (value) heads per q/k head: grid head h reads q, k head h // group
 
     def __post_init__(self):
         if self.gate_kind not in GATE_KINDS:
@@ -250,18 +255,25 @@ class TimeOperand:
     "row_column": [B, T, 1] (segment keep), blocks [block_t, 1].
     `per_v_block`: the block follows the V-block grid index j (v, o, do, dv) or not (q, k, g).
     `partial`: an output with a leading [NV] axis of partial sums over V blocks (dq, dk, dg).
+    `group`: grid head h reads head h // group of this operand (q and k under grouped value
+    heads).
     """
 
     kind: str
     block_d: int
     per_v_block: bool = False
     partial: bool = False
+    group: int = 1
 
     def block_spec(self, block_t: int, nv: int, time_index) -> pl.BlockSpec:
         kind, bd, per_v, partial = self.kind, self.block_d, self.per_v_block, self.partial
+        group = self.group
+
+        def head(h):
+            return h if group == 1 else jax.lax.div(h, group)
 
         def col(h, j):
-            return h * nv + j if per_v else h
+            return h * nv + j if per_v else head(h)
 
         if kind == "view":
             shape = (None, block_t, bd)
@@ -272,7 +284,7 @@ class TimeOperand:
             shape = (None, None, block_t, bd)
 
             def index(b, h, j, t):
-                return (b, h, time_index(t), 0)
+                return (b, head(h), time_index(t), 0)
         elif kind == "head_column":
             shape = (None, None, block_t, 1)
 
@@ -350,10 +362,13 @@ class RecurrentPlan:
         kk, kv, kp, bv = self.keys.kind, self.values.kind, self.keys.padded, self.cfg.block_v
         per_key = self.cfg.gate_kind == "key"
         gate = TimeOperand(kk, kp) if per_key else TimeOperand("head_column", 1)
+        shared = TimeOperand(kk, kp, group=self.cfg.group)  # q, k: per q/k head
         return {
-            "q": TimeOperand(kk, kp),
-            "k": TimeOperand(kk, kp),
+            "q": shared,
+            "k": shared,
             "g": gate,
+            "beta": TimeOperand("head_column", 1),
+            "dbeta": TimeOperand("head_column", 1, partial=True),
             "keep": TimeOperand("row_column", 1),
             "v": TimeOperand(kv, bv, per_v_block=True),
             "o": TimeOperand(kv, bv, per_v_block=True),
@@ -385,10 +400,12 @@ def _time_blocks(seq_len: int) -> list[int]:
     return sorted(TIME_BLOCKS, key=lambda bt: (cost(bt), -bt))
 
 
-def vmem_bytes_time_blocked(*, key_dim: int, block_v: int, block_t: int, itemsize: int) -> dict:
+def vmem_bytes_time_blocked(*, key_dim: int, block_v: int, block_t: int, itemsize: int,
+                            delta: bool = False) -> dict:
     """Planned VMEM bytes of the forward and backward time-blocked kernels: double-buffered
     blocks, scratch, and the values the compiler keeps live (state-sized values and [K, SUBBLOCK]
-    token columns, which pad to [K, 128]). Calibrated against Mosaic's totals (see docs)."""
+    token columns, which pad to [K, 128]). Calibrated against Mosaic's totals (see docs). The
+    delta rule adds beta (and dbeta) blocks and the decayed state S' with its products."""
     kl, vl = _lanes(key_dim), _lanes(block_v)
     state = key_dim * block_v * 4
     columns = key_dim * LANES * 4
@@ -409,6 +426,9 @@ def vmem_bytes_time_blocked(*, key_dim: int, block_v: int, block_t: int, itemsiz
         + 4 * small
         + 6 * state + 8 * columns  # live values
     )
+    if delta:
+        fwd += 2 * small + 2 * state
+        bwd += 4 * small + 4 * state
     return {"forward": fwd, "backward": bwd}
 
 
@@ -420,9 +440,10 @@ def vmem_bytes_decode(*, key_dim: int, block_v: int, block_h: int, itemsize: int
 
 
 @functools.cache
-def recurrent_plan(problem, block_sizes: BlockSizes) -> RecurrentPlan:
-    """Layouts and blocks of the fused_recurrent kernels for `problem`; NotImplementedError when
-    no block sizes fit the VMEM budget."""
+def recurrent_plan(problem, block_sizes: BlockSizes, delta: bool = False) -> RecurrentPlan:
+    """Layouts and blocks of the fused_recurrent kernels for `problem` (GLA's, or with `delta` the
+    delta rule's: grid heads are its value heads); NotImplementedError when no block sizes fit the
+    VMEM budget."""
     keys, values = DimLayout.of(problem.key_dim), DimLayout.of(problem.value_dim)
     itemsize = jnp.dtype(problem.dtype).itemsize
     t = problem.seq_len
@@ -440,7 +461,7 @@ def recurrent_plan(problem, block_sizes: BlockSizes) -> RecurrentPlan:
     for bv in bvs:
         for bt in bts:
             need = vmem_bytes_time_blocked(
-                key_dim=keys.padded, block_v=bv, block_t=bt, itemsize=itemsize)
+                key_dim=keys.padded, block_v=bv, block_t=bt, itemsize=itemsize, delta=delta)
             if max(need.values()) <= VMEM_BUDGET_BYTES or fixed_t is not None:
                 chosen = (bt, bv)
                 break
@@ -455,9 +476,11 @@ def recurrent_plan(problem, block_sizes: BlockSizes) -> RecurrentPlan:
     bt, bv = chosen
     cfg = RecurrentConfig(
         gate_kind=problem.gate_kind, has_keep=problem.has_segments and t > 1,
-        scale=float(problem.scale), key_dim=keys.padded, block_t=bt, block_v=bv,
+        scale=float(problem.scale), key_dim=keys.padded, block_t=bt, block_v=bv, delta=delta,
+        group=problem.group if delta else 1,
     )
-    decode_h, decode_v = _decode_blocks(problem, block_sizes, itemsize)
+    # The delta rule's T = 1 step has its own kernel (delta_rule/mosaic_tpu/kernels_decode.py).
+    decode_h, decode_v = (0, 0) if delta else _decode_blocks(problem, block_sizes, itemsize)
     return RecurrentPlan(
         cfg=cfg, keys=keys, values=values, padded_len=-(-t // bt) * bt,
         output_final_state=problem.output_final_state, decode_block_h=decode_h,
@@ -490,16 +513,18 @@ def _decode_blocks(problem, block_sizes: BlockSizes, itemsize: int) -> tuple[int
     return 0, 0
 
 
+def head_column(x, padded_len: int):
+    """A per-head [B, T, H] operand as the kernels' [B, H, Tp, 1] column, zero-padded in time."""
+    return jnp.transpose(pad_time(x, padded_len), (0, 2, 1))[..., None]
+
+
 def recurrent_inputs(plan: RecurrentPlan, q, k, v, g, keep):
     """q, k, v, g, keep in the time-blocked kernels' layout."""
     tp = plan.padded_len
     kin = lambda x: None if x is None else plan.keys.to_kernel(x, tp)  # noqa: E731
     gk = None
     if g is not None:
-        if g.ndim == 4:
-            gk = kin(g)
-        else:  # [B, T, H] -> [B, H, T, 1]
-            gk = jnp.transpose(pad_time(g, tp), (0, 2, 1))[..., None]
+        gk = kin(g) if g.ndim == 4 else head_column(g, tp)
     kp = None if keep is None else pad_time(keep, tp, value=1.0)[..., None]  # [B, Tp, 1]
     return kin(q), kin(k), plan.values.to_kernel(v, tp), gk, kp
 

@@ -11,7 +11,8 @@ the inputs and recomputes them (kernels_chunk.py; docs/gla_mosaic_tpu.md, "Kerne
 
 fused_recurrent (docs/gla_mosaic_tpu_recurrent.md): the forward kernel, or the decode kernel at
 T = 1; the backward reruns the forward to checkpoint the state at every time block, then the
-reversed recurrence.
+reversed recurrence. The delta rule's fused_recurrent runs the same wiring with beta
+(`RecurrentConfig.delta`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gla_tpu.ops.gla.mosaic_tpu.plan import (
     RecurrentPlan,
     chunk_kernel_arrays,
     pad_state,
+    head_column,
     recurrent_inputs,
     seq_pack,
     seq_unpack,
@@ -121,28 +123,36 @@ chunked.defvjp(_core_fwd, _core_bwd)
 
 
 def recurrent(plan: RecurrentPlan, interpret):
-    """The custom_vjp function of (q, k, v, g float32 | None, keep | None, s0 | None)."""
+    """The custom_vjp function of (q, k, v, g float32 | None, keep | None, s0 | None,
+    beta float32 | None): beta [B, T, HV] for the delta rule (plan.cfg.delta), else None."""
 
     @jax.custom_vjp
-    def core(q, k, v, g, keep, s0):
-        return _forward(plan, interpret, q, k, v, g, keep, s0)
+    def core(q, k, v, g, keep, s0, beta):
+        return _forward(plan, interpret, q, k, v, g, keep, s0, beta)
 
-    def core_fwd(q, k, v, g, keep, s0):
-        return _forward(plan, interpret, q, k, v, g, keep, s0), (q, k, v, g, keep, s0)
+    def core_fwd(q, k, v, g, keep, s0, beta):
+        out = _forward(plan, interpret, q, k, v, g, keep, s0, beta)
+        return out, (q, k, v, g, keep, s0, beta)
 
     def core_bwd(res, cts):
-        q, k, v, g, keep, s0 = res
+        q, k, v, g, keep, s0, beta = res
         do, dfinal = cts
-        dq, dk, dv, dg, ds0 = _backward(plan, interpret, q, k, v, g, keep, s0, do, dfinal)
+        dq, dk, dv, dg, dbeta, ds0 = _backward(plan, interpret, q, k, v, g, keep, s0, beta, do,
+                                               dfinal)
         dkeep = None if keep is None else jnp.zeros_like(keep)
-        return dq, dk, dv, dg, dkeep, ds0
+        return dq, dk, dv, dg, dkeep, ds0, dbeta
 
     core.defvjp(core_fwd, core_bwd)
     return core
 
 
-def _forward(plan: RecurrentPlan, interpret, q, k, v, g, keep, s0):
-    _, t, h, _ = q.shape
+def _beta_input(plan: RecurrentPlan, beta):
+    return None if beta is None else head_column(beta, plan.padded_len)
+
+
+def _forward(plan: RecurrentPlan, interpret, q, k, v, g, keep, s0, beta):
+    _, t, _, _ = q.shape
+    h = v.shape[2]  # grid heads: the value heads
     if plan.decode_block_h:
         return _decode(plan, interpret, q, k, v, g, s0)
     qk, kk, vk, gk, kp = recurrent_inputs(plan, q, k, v, g, keep)
@@ -150,7 +160,7 @@ def _forward(plan: RecurrentPlan, interpret, q, k, v, g, keep, s0):
         qk, kk, vk, gk, kp, pad_state(plan, s0), cfg=plan.cfg, layouts=plan.layouts(),
         nt=plan.num_time_blocks, nv=plan.num_v_blocks, emit_o=True,
         emit_final=plan.output_final_state, emit_checkpoints=False, o_shape=vk.shape,
-        o_dtype=v.dtype, interpret=interpret,
+        o_dtype=v.dtype, interpret=interpret, beta=_beta_input(plan, beta),
     )
     o = plan.values.from_kernel(o, heads=h, seq_len=t, partial=False)
     final = unpad_state(plan, rest[0]) if plan.output_final_state else None
@@ -171,38 +181,50 @@ def _decode(plan: RecurrentPlan, interpret, q, k, v, g, s0):
     return o.reshape(b, 1, h, vd), final
 
 
-def _backward(plan: RecurrentPlan, interpret, q, k, v, g, keep, s0, do, dfinal):
-    _, t, h, _ = q.shape
+def _backward(plan: RecurrentPlan, interpret, q, k, v, g, keep, s0, beta, do, dfinal):
+    b, t, hk, kd = q.shape
+    h = v.shape[2]  # grid heads: the value heads
+    group = plan.cfg.group
     layouts = plan.layouts()
     nv = plan.num_v_blocks
     qk, kk, vk, gk, kp = recurrent_inputs(plan, q, k, v, g, keep)
+    bk = _beta_input(plan, beta)
     dok = plan.values.to_kernel(do.astype(v.dtype), plan.padded_len)
     (checkpoints,) = kernels_recurrent.recurrent_forward(
         None, kk, vk, gk, kp, pad_state(plan, s0), cfg=plan.cfg, layouts=layouts,
         nt=plan.num_time_blocks, nv=nv, emit_o=False, emit_final=False, emit_checkpoints=True,
-        o_shape=None, o_dtype=None, interpret=interpret,
+        o_shape=None, o_dtype=None, interpret=interpret, beta=bk,
     )
-    direct = nv == 1
+    direct = nv == 1 and group == 1  # no partial sums to add: the kernel writes the dtype
     grad_dtypes = {
         "dq": q.dtype if direct else jnp.float32,
         "dk": k.dtype if direct else jnp.float32,
         "dv": v.dtype,
         "dg": jnp.float32,
+        "dbeta": jnp.float32,
     }
     dfinal = pad_state(plan, dfinal) if plan.output_final_state else None
-    dq, dk, dv, dg, ds0 = kernels_recurrent.recurrent_backward(
+    dq, dk, dv, dg, dbeta, ds0 = kernels_recurrent.recurrent_backward(
         qk, kk, vk, gk, kp, dok, checkpoints, dfinal, cfg=plan.cfg, layouts=layouts,
         nt=plan.num_time_blocks, nv=nv, has_initial_state=s0 is not None,
-        grad_dtypes=grad_dtypes, interpret=interpret,
+        grad_dtypes=grad_dtypes, interpret=interpret, beta=bk,
     )
     unk = lambda x: plan.keys.from_kernel(x, heads=h, seq_len=t, partial=True)  # noqa: E731
-    dq = unk(dq).astype(q.dtype)
-    dk = unk(dk).astype(k.dtype)
+
+    def per_key_head(x):  # [B, T, HV, K] -> [B, T, H, K]: a group's value heads summed
+        return x if group == 1 else jnp.sum(x.reshape(b, t, hk, group, kd), axis=3)
+
+    dq = per_key_head(unk(dq)).astype(q.dtype)
+    dk = per_key_head(unk(dk)).astype(k.dtype)
     dv = plan.values.from_kernel(dv, heads=h, seq_len=t, partial=False)
     if dg is not None:
-        if g.ndim == 4:
-            dg = unk(dg)
-        else:  # [NV, B, H, Tp, 1] -> [B, T, H]
-            dg = jnp.sum(dg[..., 0], axis=0)
-            dg = jnp.transpose(dg, (0, 2, 1))[:, :t]
-    return dq, dk, dv, dg, unpad_state(plan, ds0)
+        dg = unk(dg) if g.ndim == 4 else _from_head_column(dg, t)
+    if dbeta is not None:
+        dbeta = _from_head_column(dbeta, t)
+    return dq, dk, dv, dg, dbeta, unpad_state(plan, ds0)
+
+
+def _from_head_column(x, seq_len: int):
+    """[NV, B, H, Tp, 1] partial sums over V blocks -> [B, T, H]."""
+    x = jnp.sum(x[..., 0], axis=0)
+    return jnp.transpose(x, (0, 2, 1))[:, :seq_len]
