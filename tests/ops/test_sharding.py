@@ -320,6 +320,42 @@ def test_context_parallel_gla_moves_states_not_tokens():
     assert all(t not in map(int, filter(None, s.split(","))) for s in shapes)
 
 
+# Eager calls (no jax.jit around the op or its gradient, as in a notebook) of every sharded op:
+# batch and heads, context-parallel GLA, ring attention. Run one primitive at a time, the
+# shard_map bodies once crashed XLA's CPU compiler with a segmentation fault (a concatenate with a
+# zero-size operand, docs/scale_out.md); the ops jit them. A regression kills the test process.
+EAGER = {
+    "gla-8-time": ("gla", ((8,), ("x",), P(None, "x"))),
+    "gla-2x4-batch-heads": ("gla", LAYOUTS["2x4-batch-heads"]),
+    "gla-2-time-T64": ("gla", ((2,), ("x",), P(None, "x"))),
+    "attention-2x4-batch-time": ("attention", CP_LAYOUTS["2x4-batch-time"]),
+    "attention-8-heads": ("attention", LAYOUTS["8-heads"]),
+}
+
+
+@pytest.mark.parametrize("name", EAGER)
+def test_eager_sharded_calls_match_jitted(name):
+    op, (shape, names, spec) = EAGER[name]
+    sharding = NamedSharding(_mesh(shape, names), spec)
+    b, h, t = (1, 1, 64) if name.endswith("T64") else (B, H, T)
+    x = [_normal(i, (b, t, h, 64)) for i in range(3)]
+    if op == "gla":
+        g = jax.nn.log_sigmoid(_normal(3, (b, t, h, 64)))
+
+        def fn(q, k, v):
+            return ops.gla(q, k, v, g, mode="chunk", backend="xla", sharding=sharding)[0]
+    else:
+        def fn(q, k, v):
+            return ops.flash_attention(q, k, v, causal=True, backend="xla", sharding=sharding)
+
+    def loss(*a):
+        return jnp.sum(fn(*a) * x[0])
+
+    eager = (fn(*x), jax.grad(loss, argnums=(0, 1, 2))(*x))
+    jitted = (jax.jit(fn)(*x), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*x))
+    _assert_trees_close(eager, jitted)
+
+
 # Ring attention over the CP layouts. T = 48: zigzag halves of 3 tokens on 8 devices (6 on 4),
 # none a multiple of a block.
 RING_T = 48

@@ -14,6 +14,13 @@ transpose to shard_map's replication analysis; this way the backward's collectiv
 transposes of those the local function itself runs (context-parallel GLA's all-gathers) and the
 sums a caller asks for (`grad_psum_axes`: kv heads replicated over the head axes, an initial state
 read on every time shard).
+
+Each shard_map's body is jitted: called eagerly (as in a notebook), a shard_map runs its body one
+primitive at a time, and XLA's CPU compiler (jax 0.11.2) crashes the process with a segmentation
+fault on some of those one-primitive programs, e.g. a concatenate with a zero-size operand
+(docs/scale_out.md has the reproduction). Jitting the whole call instead breaks eager gradients
+on a second mesh (jax 0.11.2 compiles the backward with the first mesh's shardings). Under an
+outer `jax.jit` the inner one is inlined.
 """
 
 from __future__ import annotations
@@ -173,7 +180,9 @@ def sharded_call(local_fn: Callable, layout: MeshLayout, args: Sequence, in_spec
     differentiable = tuple(a is not None and jnp.issubdtype(a.dtype, jnp.floating) for a in args)
 
     def shmap(fn, ins, outs):
-        return jax.shard_map(fn, mesh=layout.mesh, in_specs=ins, out_specs=outs,
+        # The body jitted: an eager shard_map then runs it as one program, never one primitive
+        # at a time (the module docstring says why).
+        return jax.shard_map(jax.jit(fn), mesh=layout.mesh, in_specs=ins, out_specs=outs,
                              check_vma=False)
 
     def split(xs):
