@@ -583,6 +583,40 @@ def test_context_parallel_gla_compiles_for_a_4_chip_slice(generation):
     assert sum(int(np.prod(dims)) for dims in sizes) <= 4 * states, sizes
 
 
+@pytest.mark.parametrize("generation", _sharded_generations("v5e"))
+def test_context_parallel_delta_rule_compiles_for_a_4_chip_slice(generation):
+    """Gated DeltaNet forward+backward (HV = 2H) with batch and T over a (2, 2) mesh: Mosaic
+    compiles each chip's kernels (the zero-state, transition and main passes), and the program's
+    collectives move the blocks' states and transitions, nothing of length T."""
+    import re
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gla_tpu.testing.tpu_compile import compile_sharded_for_tpu, tpu_slice_mesh
+
+    mesh = tpu_slice_mesh(generation, (2, 2), ("data", "seq"))
+    sharding = NamedSharding(mesh, P("data", "seq", None, None))
+    heads = NamedSharding(mesh, P("data", "seq", None))
+    t, h, hv, d = 1024, 2, 4, 128
+    x = jax.ShapeDtypeStruct((2, t, h, d), BF16, sharding=sharding)
+    v = jax.ShapeDtypeStruct((2, t, hv, d), BF16, sharding=sharding)
+    beta = jax.ShapeDtypeStruct((2, t, hv), F32, sharding=heads)
+    fn = _grad_of_sum(lambda q, k, v, beta, g: ops.delta_rule(
+        q, k, v, beta, g, use_qk_l2norm=True, backend="mosaic_tpu", sharding=sharding)[0],
+        (0, 1, 2, 3, 4))
+    text = compile_sharded_for_tpu(fn, mesh, x, x, v, beta, beta).as_text()
+    assert "tpu_custom_call" in text
+    found = re.findall(r"= \(?\w+\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|"
+                       r"collective-permute|all-to-all)(?:-start)?\(", text)
+    kinds = {kind for _, kind in found}
+    assert kinds <= {"all-gather", "reduce-scatter", "all-reduce"} and "all-gather" in kinds
+    sizes = [[int(d) for d in dims.split(",") if d] for dims, _ in found]
+    assert not any(t in dims or t // 2 in dims for dims in sizes), sizes
+    states = 2 * 2 * hv * d * (d + d)  # P x B x HV x K (V + K), whole batch
+    assert sum(int(np.prod(dims)) for dims in sizes) <= 4 * states, sizes
+
+
 @pytest.mark.parametrize("generation", _sharded_generations("v5p"))
 def test_ring_attention_compiles_for_a_4_chip_slice(generation):
     """Causal attention forward+backward with batch and T over a (2, 2) mesh: Mosaic compiles each

@@ -320,6 +320,88 @@ def test_context_parallel_gla_moves_states_not_tokens():
     assert all(t not in map(int, filter(None, s.split(","))) for s in shapes)
 
 
+def _check_delta_rule(sharding, backend="xla", gate="key", segments=None, mode="chunk", b=B,
+                      h=H, group=2, initial_state=True, t=T):
+    """Sharded against unsharded ops.delta_rule: outputs, final state and every gradient; value
+    heads HV = group * H, beta in (0, 2)."""
+    kd = vd = 64
+    hv = group * h
+    q, k = _normal(0, (b, t, h, kd)), _normal(1, (b, t, h, kd))
+    v = _normal(2, (b, t, hv, vd))
+    beta = 2 * jax.nn.sigmoid(_normal(6, (b, t, hv)))
+    g = None if gate == "none" else jax.nn.log_sigmoid(
+        _normal(3, (b, t, hv, kd) if gate == "key" else (b, t, hv)))
+    s0 = _normal(4, (b, hv, kd, vd)) if initial_state else None
+
+    def op(sharding):
+        def fn(q, k, v, beta, g, s0):
+            return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm=True, mode=mode, segment_ids=segments,
+                                  backend=backend, interpret=backend != "xla",
+                                  sharding=sharding)
+        return fn
+
+    args = (q, k, v, beta, g, s0)
+    argnums = tuple(i for i, a in enumerate(args) if a is not None)
+    want = _value_and_grads(op(None), args, argnums)
+    got = _value_and_grads(op(sharding), args, argnums)
+    _assert_trees_close(got, want)
+
+
+@pytest.mark.parametrize("layout", ["2x4-batch-heads", pytest.param("8-heads",
+                                                                    marks=pytest.mark.full)])
+def test_delta_rule_sharded_matches_unsharded_xla(layout):
+    _check_delta_rule(_sharding(layout), gate="head", segments=_boundary_segments())
+
+
+# Context-parallel delta rule: each time layout, every gate kind among them, segment ids that
+# change inside blocks and at block boundaries, an initial state. The default run takes
+# fused_recurrent on xla (the cheapest to compile) and chunk on mosaic_tpu; --full adds chunk on
+# xla.
+@pytest.mark.parametrize("layout, gate, mode", [
+    pytest.param("8-time", "key", "chunk", marks=pytest.mark.full),
+    ("4x2-time-heads", "head", "fused_recurrent"),
+    ("2x4-batch-time", "key", "fused_recurrent"),
+    pytest.param("2x4-batch-time", "none", "chunk", marks=pytest.mark.full),
+    pytest.param("2x4-time-over-both", "key", "fused_recurrent", marks=pytest.mark.full),
+])
+def test_context_parallel_delta_rule_matches_unsharded_xla(layout, gate, mode):
+    shape, names, spec = CP_LAYOUTS[layout]
+    _check_delta_rule(NamedSharding(_mesh(shape, names), spec), gate=gate, mode=mode,
+                      segments=_boundary_segments())
+
+
+def test_context_parallel_delta_rule_matches_unsharded_mosaic_tpu():
+    """mode "chunk" over batch and T on a (2, 2) mesh, TPU interpret mode; blocks of 20 tokens."""
+    sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", "model"))
+    _check_delta_rule(sharding, "mosaic_tpu", gate="head", segments=_boundary_segments(2), b=2,
+                      h=1)
+
+
+def test_context_parallel_delta_rule_moves_states_not_tokens():
+    """Forward+backward over 8 time shards: the collectives carry the blocks' states and
+    transitions ([P, B, HV, K, V + K] float32, gathered forward and reduce-scattered backward)
+    and the segment flags, nothing of length T."""
+    sharding = NamedSharding(_mesh((8,), ("x",)), P(None, "x"))
+    t, kd, hv = 256, 64, 2 * H
+    x = _normal(0, (B, t, H, kd))
+    v = _normal(1, (B, t, hv, kd))
+    beta = jax.nn.sigmoid(_normal(2, (B, t, hv)))
+    g = jax.nn.log_sigmoid(_normal(3, (B, t, hv)))
+
+    def loss(q, k, v, beta, g):
+        return jnp.sum(ops.delta_rule(q, k, v, beta, g, backend="xla", sharding=sharding)[0] ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(x, x, v, beta, g).compile(
+    ).as_text()
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^=]*? (?:all-gather|all-reduce|reduce-scatter|"
+                        r"collective-permute|all-to-all)(?:-start)?\(", text)
+    assert shapes, "expected the state all-gather"
+    elements = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+    assert sum(elements) <= 3 * 8 * B * hv * kd * (kd + kd)
+    assert all(t not in map(int, filter(None, s.split(","))) for s in shapes)
+
+
 # Eager calls (no jax.jit around the op or its gradient, as in a notebook) of every sharded op:
 # batch and heads, context-parallel GLA, ring attention. Run one primitive at a time, the
 # shard_map bodies once crashed XLA's CPU compiler with a segmentation fault (a concatenate with a
@@ -330,10 +412,16 @@ EAGER = {
     "gla-2-time-T64": ("gla", ((2,), ("x",), P(None, "x"))),
     "attention-2x4-batch-time": ("attention", CP_LAYOUTS["2x4-batch-time"]),
     "attention-8-heads": ("attention", LAYOUTS["8-heads"]),
+    "delta_rule-2-time-T64": ("delta_rule", ((2,), ("x",), P(None, "x"))),
+    "delta_rule-8-time": ("delta_rule", ((8,), ("x",), P(None, "x"))),
+    "delta_rule-2x4-batch-heads": ("delta_rule", LAYOUTS["2x4-batch-heads"]),
 }
+EAGER_FULL_ONLY = ("gla-2-time-T64", "attention-8-heads", "delta_rule-8-time",
+                   "delta_rule-2-time-T64")
 
 
-@pytest.mark.parametrize("name", EAGER)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.full if n in EAGER_FULL_ONLY else ()) for n in EAGER])
 def test_eager_sharded_calls_match_jitted(name):
     op, (shape, names, spec) = EAGER[name]
     sharding = NamedSharding(_mesh(shape, names), spec)
@@ -344,6 +432,12 @@ def test_eager_sharded_calls_match_jitted(name):
 
         def fn(q, k, v):
             return ops.gla(q, k, v, g, mode="chunk", backend="xla", sharding=sharding)[0]
+    elif op == "delta_rule":
+        beta = jax.nn.sigmoid(_normal(3, (b, t, h)))
+
+        def fn(q, k, v):
+            return ops.delta_rule(q, k, v, beta, mode="chunk", backend="xla",
+                                  use_qk_l2norm=True, sharding=sharding)[0]
     else:
         def fn(q, k, v):
             return ops.flash_attention(q, k, v, causal=True, backend="xla", sharding=sharding)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import inspect
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from gla_tpu.ops.common import backends
 from gla_tpu.ops.common.gates import floor_log_gates
+from gla_tpu.ops.common.sharding import resolve_sharding, sharded_call
 from gla_tpu.ops.common.validation import describe
+from gla_tpu.ops.delta_rule import context_parallel
 from gla_tpu.ops.delta_rule.validation import (
     GATE_DESCRIPTIONS,
     gate_kind,
@@ -36,6 +42,7 @@ def delta_rule(
     block_sizes=None,
     backend: str = "auto",
     interpret=False,
+    sharding=None,
 ):
     """The delta rule: DeltaNet (g None), Gated DeltaNet (per-head g), KDA (per-key g).
 
@@ -60,11 +67,18 @@ def delta_rule(
       chunk_size: 64 or 128 for mode "chunk"; None: the backend's default (xla: 64). The result
         does not depend on it beyond rounding.
       block_sizes: the backend's BlockSizes (performance only); None for "xla".
-      backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla". "mosaic_tpu" runs mode "chunk" and
-        the T = 1 decode step at K, V in {64, 128, 256} in bfloat16 or float32; "auto" runs it
+      backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla". "mosaic_tpu" runs both modes (and a
+        T = 1 decode kernel) at K, V in {64, 128, 256} in bfloat16 or float32; "auto" runs it
         on a TPU where it takes the problem and "xla" elsewhere (with a one-time warning on a
         TPU or GPU); "pallas_gpu" is not yet available (NotImplementedError).
       interpret: run a Pallas backend in interpret mode on CPU.
+      sharding: None, or a `jax.sharding.NamedSharding` for q's [B, T, H, K] layout whose spec
+        splits the batch and/or head dims (v, beta, g follow with their HV heads, so each
+        device's value heads read its q, k heads): each device runs the op on its block
+        (`jax.shard_map`, no communication). With None, q's own sharding is used where its type
+        carries explicit mesh axes. A split time axis runs context parallel: per device a
+        zero-state pass and a transition pass, one all-gather of the blocks' states and
+        [K, K] transitions, then the op from the true entering state (docs/scale_out.md).
 
     Returns:
       (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32 (float64 for float64
@@ -89,11 +103,53 @@ def delta_rule(
     g = floor_log_gates(g)  # -inf (a hard reset) and gates below -100 act as -100
     module, block_sizes = backends.dispatch("delta_rule", "delta_rule", backend, problem,
                                             block_sizes)
-    problem = problem.with_chunk_size(module.CAPABILITIES.default_chunk_size(problem.key_dim))
-    return module.delta_rule(
-        q, k, v, beta, g, problem=problem, initial_state=initial_state, segment_ids=segment_ids,
-        block_sizes=block_sizes, interpret=interpret,
-    )
+    chunk = module.CAPABILITIES.default_chunk_size(problem.key_dim)
+    problem = problem.with_chunk_size(chunk)
+
+    def run(q, k, v, beta, g, initial_state, segment_ids, problem=problem):
+        return module.delta_rule(
+            q, k, v, beta, g, problem=problem, initial_state=initial_state,
+            segment_ids=segment_ids, block_sizes=block_sizes, interpret=interpret,
+        )
+
+    layout = resolve_sharding("delta_rule", sharding, q, batch=problem.batch,
+                              heads=problem.num_heads, time=problem.seq_len)
+    if layout is None:
+        return run(q, k, v, beta, g, initial_state, segment_ids)
+
+    def run_local(q, k, v, beta, g, initial_state, segment_ids,
+                  output_final_state=output_final_state):
+        local, initial_state, segment_ids = validate_delta_rule(
+            q, k, v, beta, g, scale=problem.scale, initial_state=initial_state,
+            output_final_state=output_final_state, segment_ids=segment_ids,
+            use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=chunk_size,
+        )
+        return run(q, k, v, beta, g, initial_state, segment_ids,
+                   problem=local.with_chunk_size(chunk))
+
+    spec = layout.spec("batch", "time", "heads", None)  # q, k, v, per-key g, o
+    head_spec = layout.spec("batch", "time", "heads")  # beta, per-head g
+    gate_spec = None if g is None else spec if g.ndim == 4 else head_spec
+    state_spec = layout.spec("batch", "heads", None, None)
+    args = (q, k, v, beta, g, initial_state, segment_ids)
+    in_specs = (spec, spec, spec, head_spec, gate_spec,
+                None if initial_state is None else state_spec,
+                None if segment_ids is None else layout.spec("batch", "time"))
+    if not layout.time_axes:
+        return sharded_call(run_local, layout, args, in_specs,
+                            (spec, state_spec if output_final_state else None))
+    # Context parallelism: initial_state is read on every time shard, so its gradient is summed
+    # over them; the final state comes out once per time shard and the last one's is returned.
+    o, finals = sharded_call(
+        context_parallel.local_pass(run_local, layout), layout, args, in_specs,
+        (spec, layout.spec("time", "batch", "heads", None, None)),
+        grad_psum_axes=((), (), (), (), (), layout.time_axes, ()))
+    if not output_final_state:
+        return o, None
+    if layout.explicit:
+        # Explicit axes cannot slice one entry off the split time-shard axis: gather it first.
+        finals = jax.reshard(finals, NamedSharding(layout.mesh, P(None, *state_spec)))
+    return o, finals[-1]
 
 
 def _alias(mode: str, variant: str, name: str):

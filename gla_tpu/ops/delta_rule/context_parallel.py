@@ -1,0 +1,75 @@
+"""Context-parallel delta rule: the time axis split over mesh axes (docs/scale_out.md).
+
+The delta rule's state update is affine in the entering state: over a block of n tokens,
+S_out = M S_in + S_zero, with M [K, K] the block's transition (the product of the tokens'
+(I - beta k k^T) diag(exp(g)), zero after a segment start) and S_zero the block's final state
+from a zero state. Per device p, on its block (inside `jax.shard_map`):
+1. the single-device op from a zero state gives S_zero [B, HV, K, V];
+2. the op on zero values (V = K) from the identity state gives M [B, HV, K, K] (its columns
+   follow S -> (I - beta k k^T) D S, the state part of the update, and nothing else);
+3. all-gather of (S_zero, M, whether the carried state enters the block) over the time axes, in
+   float32 (float64 for float64 inputs): P x B x HV x K x (V + K) values per device, whatever T
+   is;
+4. the exclusive scan E_0 = initial_state, E_{j+1} = M_j [enters_j] E_j + S_zero_j gives each
+   device its entering state E_p and every device the final state E_P;
+5. the op from E_p (zero where a segment starts at the block's first token) gives the outputs.
+Three passes of the op per device, on whichever kernels the backend has. Autodiff runs through it
+all (`common/sharding.sharded_call` takes `jax.vjp` of this function per device): the
+all-gathers transpose to reduce-scatters, the scan to the reversed scan.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from gla_tpu.ops.common.sharding import MeshLayout
+from gla_tpu.ops.delta_rule.validation import state_dtype
+
+
+def local_pass(run_local, layout: MeshLayout):
+    """The per-device function of a context-parallel call.
+
+    Args:
+      run_local: (q, k, v, beta, g, initial_state, segment_ids, output_final_state) -> (o, final)
+        on one device's block, the single-device op.
+      layout: the mesh layout; layout.time_axes split T.
+    Returns:
+      local(q, k, v, beta, g, initial_state, segment_ids) -> (o [B, n, HV, V], final
+      [1, B, HV, K, V] float32: every device's copy of the final state, on a leading axis over
+      the time axes).
+    """
+    axes, blocks = layout.time_axes, layout.time_shards
+
+    def local(q, k, v, beta, g, initial_state, segment_ids):
+        b, n, _, kd = q.shape
+        hv, vd = v.shape[2], v.shape[3]
+        p = lax.axis_index(axes)
+        sd = state_dtype(q.dtype)
+        _, from_zero = run_local(q, k, v, beta, g, None, segment_ids, True)  # [B, HV, K, V]
+        identity = jnp.broadcast_to(jnp.eye(kd, dtype=sd), (b, hv, kd, kd))
+        no_values = jnp.zeros((b, n, hv, kd), v.dtype)
+        _, transition = run_local(q, k, no_values, beta, g, identity, segment_ids,
+                                  True)  # [B, HV, K, K]
+        if segment_ids is None:
+            enters = jnp.ones((b,), bool)
+        else:
+            last_ids = lax.all_gather(segment_ids[:, -1], axes)  # [P, B]
+            # the block's first token continues the segment the previous block ended in
+            enters = jnp.logical_or(p == 0, segment_ids[:, 0] == last_ids[jnp.maximum(p - 1, 0)])
+        states = lax.all_gather(from_zero.astype(sd), axes)  # [P, B, HV, K, V]
+        transitions = lax.all_gather(transition.astype(sd), axes)  # [P, B, HV, K, K]
+        entering_flags = lax.all_gather(enters, axes)  # [P, B]
+        state = (jnp.zeros((b, hv, kd, vd), sd) if initial_state is None
+                 else initial_state.astype(sd))
+        entering = []
+        for j in range(blocks):
+            state = jnp.where(entering_flags[j][:, None, None, None], state, 0.0)
+            entering.append(state)
+            state = jnp.einsum("bhij,bhjv->bhiv", transitions[j], state,
+                               precision=lax.Precision.HIGHEST) + states[j]
+        enter = jnp.stack(entering)[p]  # [B, HV, K, V], zero where the block does not continue
+        o, _ = run_local(q, k, v, beta, g, enter, segment_ids, False)
+        return o, state[None]
+
+    return local
