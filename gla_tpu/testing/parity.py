@@ -54,7 +54,7 @@ def check_attention_parity(case: AttentionCase, key=None, *, dtype=jnp.float32, 
     `key` defaults to one derived from the case; `sharding` runs the kernel on a mesh (the
     baseline and the reference stay on one device)."""
     key = jax.random.key(case_seed(case)) if key is None else key
-    kernel = functools.partial(flash_attention, causal=case.causal, backend=backend,
+    kernel = functools.partial(flash_attention, **case.options(), backend=backend,
                                interpret=interpret, block_sizes=block_sizes, sharding=sharding)
     inputs = _attention_inputs(case, key, dtype)
     # The "xla" backend with default arguments is the baseline itself: not run twice.
@@ -188,9 +188,9 @@ def _cached(name, compute):
 def _attention_truth(case, key, dtype, grads):
     """(same-dtype XLA baseline, float64 reference) of an attention case."""
     inputs = _attention_inputs(case, key, dtype)
-    baseline = _run(functools.partial(flash_attention, causal=case.causal, backend="xla"),
+    baseline = _run(functools.partial(flash_attention, **case.options(), backend="xla"),
                     inputs, key, dtype, grads)
-    reference = _run_float64(functools.partial(attention_reference, causal=case.causal), inputs,
+    reference = _run_float64(functools.partial(attention_reference, **case.options()), inputs,
                              key, dtype, grads)
     return baseline, reference
 

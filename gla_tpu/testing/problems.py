@@ -26,6 +26,20 @@ class AttentionCase:
     head_dim: int  # D
     causal: bool = False
     segments: str = "none"  # "none", "shared" (one [B, T] array, T == S) or "pair"
+    window: int | tuple[int, int] | None = None  # local_window_size
+    soft_cap: float | None = None  # logits_soft_cap
+
+    def options(self) -> dict:
+        """flash_attention's keyword arguments of the case's semantics."""
+        return dict(causal=self.causal, local_window_size=self.window,
+                    logits_soft_cap=self.soft_cap)
+
+    def __repr__(self):
+        # window and soft_cap only where set: the repr seeds each case's inputs
+        # (parity.case_seed), and the cases written before the fields keep their draws
+        names = [f.name for f in dataclasses.fields(self)
+                 if f.name not in ("window", "soft_cap") or getattr(self, f.name) is not None]
+        return f"AttentionCase({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ def _block_sizes(tiles, backend):
 
 def _refusal(backend, case, dtype):
     inputs = make_attention_inputs(case, jax.random.key(0), dtype)
-    problem, _, _ = validate_attention(inputs["q"], inputs["k"], inputs["v"], causal=case.causal,
+    problem, _, _ = validate_attention(inputs["q"], inputs["k"], inputs["v"], **case.options(),
                                        sm_scale=None, segment_ids=inputs["segment_ids"])
     return CAPABILITIES[backend].refusal(problem)
 
@@ -87,6 +87,18 @@ CASES = {
     "d48": (C(1, 16, 16, 2, 2, 48), F32, None),
     # float16: mosaic_tpu refuses it.
     "f16-causal": (C(1, 70, 90, 2, 1, 64, causal=True), jnp.float16, "small"),
+    # Local windows: smaller and larger than a block, left-only (causal), two-sided, T != S,
+    # with GQA and segments; soft-capped scores (a cap of 1 bends most of them), alone, causal
+    # with GQA, and with a window.
+    "window-causal-gqa": (C(1, 300, 300, 4, 2, 64, causal=True, window=100), F32, "small"),
+    "window-two-sided-T<S": (C(1, 100, 260, 2, 1, 64, window=(40, 17)), F32, "small"),
+    "window-left-T>S-segments-bf16": (C(2, 200, 150, 2, 1, 64, window=(300, 0),
+                                        segments="pair"), BF16, "mixed"),
+    "softcap": (C(1, 130, 200, 2, 2, 128, soft_cap=1.0), F32, "small"),
+    "softcap-causal-gqa-bf16": (C(1, 200, 200, 4, 2, 64, causal=True, soft_cap=2.0), BF16,
+                                None),
+    "softcap-window-causal": (C(1, 257, 257, 2, 2, 64, causal=True, window=(64, 5),
+                                soft_cap=1.5), F32, "small"),
 }
 
 

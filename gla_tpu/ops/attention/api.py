@@ -20,6 +20,8 @@ def flash_attention(
     causal: bool = False,
     sm_scale: float | None = None,
     segment_ids=None,
+    local_window_size=None,
+    logits_soft_cap: float | None = None,
     block_sizes=None,
     backend: str = "auto",
     interpret=False,
@@ -35,6 +37,12 @@ def flash_attention(
       sm_scale: logit scale, default D ** -0.5.
       segment_ids: None, a [B, T] int array (T == S), or a pair ([B, T], [B, S]); a query sees
         only keys with its id.
+      local_window_size: None, an int w (the pair (w, w)) or a pair (left, right) of ints >= 0,
+        as in `jax.nn.dot_product_attention`: query i, at position i + (S - T), sees key j iff
+        i + (S - T) - left <= j <= i + (S - T) + right (causal: right = 0). Combines with
+        segment ids and GQA.
+      logits_soft_cap: None or c > 0: the scores s = sm_scale q k^T become c * tanh(s / c)
+        before the softmax (Gemma 2; splash attention's `attn_logits_soft_cap`).
       block_sizes: the backend's BlockSizes (performance only), or None for its defaults.
       backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla".
       interpret: run a Pallas backend in interpret mode on CPU (True, or the backend's interpret
@@ -58,8 +66,9 @@ def flash_attention(
       >>> ops.flash_attention(q, k, v, causal=True, backend="xla").shape
       (1, 128, 4, 64)
     """
+    options = dict(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
     problem, q_seg, kv_seg = validate_attention(
-        q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids
+        q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids, **options
     )
     module, block_sizes = backends.dispatch("attention", "flash_attention", backend, problem,
                                             block_sizes)
@@ -87,7 +96,7 @@ def flash_attention(
             return _ring_local(ring, layout, q, k, v, q_seg, kv_seg)
         segments = None if q_seg is None else (q_seg, kv_seg)
         local, _, _ = validate_attention(q, k, v, causal=causal, sm_scale=problem.sm_scale,
-                                         segment_ids=segments)
+                                         segment_ids=segments, **options)
         return run(q, k, v, q_seg, kv_seg, problem=local)
 
     q_spec = layout.spec("batch", "time", "heads", None)
@@ -105,6 +114,10 @@ def _ring(layout, problem, module, block_sizes, interpret) -> ring_lib.Ring | No
     if shards == 1:
         return None
     where = f"flash_attention with T split over mesh axes {layout.time_axes} ({shards} devices)"
+    if problem.window is not None:
+        raise NotImplementedError(
+            f"{where}: ring attention does not take local_window_size yet; shard the batch and "
+            "head axes, or call it unsharded.")
     if problem.kv_len != problem.q_len:
         raise NotImplementedError(
             f"{where}: ring attention takes self-attention, q and k of one length; got T = "
@@ -120,8 +133,9 @@ def _ring(layout, problem, module, block_sizes, interpret) -> ring_lib.Ring | No
 
     def block_problem(q, k, v, q_seg, kv_seg, causal):
         segments = None if q_seg is None else (q_seg, kv_seg)
-        local, q_seg, kv_seg = validate_attention(q, k, v, causal=causal,
-                                                  sm_scale=problem.sm_scale, segment_ids=segments)
+        local, q_seg, kv_seg = validate_attention(
+            q, k, v, causal=causal, sm_scale=problem.sm_scale, segment_ids=segments,
+            logits_soft_cap=problem.logits_soft_cap)
         return dict(problem=local, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                     block_sizes=block_sizes, interpret=interpret)
 

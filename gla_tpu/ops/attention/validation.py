@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from gla_tpu.ops.common import validation as v
+from gla_tpu.ops.common.masks import window_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +25,10 @@ class AttentionProblem:
     sm_scale: float
     has_segments: bool
     dtype: jnp.dtype
+    # (left, right) key reach around the query's aligned position (common/masks.py); a side of
+    # None is unbounded; None: no window.
+    window: tuple[int | None, int | None] | None = None
+    logits_soft_cap: float | None = None  # c: scores become c * tanh(s / c)
 
     def sizes(self) -> dict[str, int]:
         """The head dims a backend's capabilities constrain."""
@@ -31,11 +37,28 @@ class AttentionProblem:
     def features(self) -> tuple[str, ...]:
         """The optional features this problem uses (common/capabilities.ATTENTION_FEATURES)."""
         used = {"causal": self.causal, "gqa": self.num_heads != self.num_kv_heads,
-                "segment_ids": self.has_segments}
+                "segment_ids": self.has_segments, "local_window": self.window is not None,
+                "logits_soft_cap": self.logits_soft_cap is not None}
         return tuple(name for name, on in used.items() if on)
 
 
-def validate_attention(q, k, v_, *, causal, sm_scale, segment_ids):
+def _window(local_window_size, causal: bool):
+    """The validated window as (left, right) with causal's right = 0, or None."""
+    value = local_window_size
+    if value is None:
+        return None
+    pair = value if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2 or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
+            for x in pair):
+        raise ValueError(
+            "local_window_size must be None, an int w >= 0 (the pair (w, w)) or a pair "
+            f"(left, right) of ints >= 0; got {value!r}.")
+    return window_bounds((int(pair[0]), int(pair[1])), causal)
+
+
+def validate_attention(q, k, v_, *, causal, sm_scale, segment_ids, local_window_size=None,
+                       logits_soft_cap=None):
     """Returns (problem, q_segment_ids [B, T] int32 | None, kv_segment_ids [B, S] int32 | None)."""
     for name, x in (("q", q), ("k", k), ("v", v_)):
         v.check_array(name, x, rank=4, layout="[batch, time, heads, head_dim]")
@@ -54,6 +77,8 @@ def validate_attention(q, k, v_, *, causal, sm_scale, segment_ids):
             f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v_.dtype}."
         )
     v.check_bool("causal", causal)
+    window = _window(local_window_size, bool(causal))
+    soft_cap = v.check_scale("logits_soft_cap", logits_soft_cap)
     scale = v.check_scale("sm_scale", sm_scale)
     if scale is None:
         scale = d**-0.5
@@ -82,6 +107,6 @@ def validate_attention(q, k, v_, *, causal, sm_scale, segment_ids):
     problem = AttentionProblem(
         batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=hkv, head_dim=d,
         causal=bool(causal), sm_scale=scale, has_segments=q_seg is not None,
-        dtype=jnp.dtype(q.dtype),
+        dtype=jnp.dtype(q.dtype), window=window, logits_soft_cap=soft_cap,
     )
     return problem, q_seg, kv_seg

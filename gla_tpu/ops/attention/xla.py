@@ -34,21 +34,29 @@ def visibility_mask(problem, q_segment_ids, kv_segment_ids):
         q_seg = q_segment_ids[:, :, None]  # [B, T, 1]
         kv_seg = kv_segment_ids[:, None, :]  # [B, 1, S]
     mask = attention_visibility(
-        q_pos, k_pos, causal=problem.causal, offset=causal_offset(t, s), q_seg=q_seg, kv_seg=kv_seg
+        q_pos, k_pos, causal=problem.causal, offset=causal_offset(t, s), q_seg=q_seg,
+        kv_seg=kv_seg, window=problem.window,
     )
     return mask[:, None, None]
 
 
 def _scores(q, k, problem, q_segment_ids, kv_segment_ids):
-    """Masked logits s [B, Hkv, G, T, S] float32 (-inf where hidden) and the mask."""
+    """Masked logits s [B, Hkv, G, T, S] float32 (-inf where hidden; soft-capped where the
+    problem has a cap), the mask, and the cap's derivative ds/ds_raw (None without a cap)."""
     b, t, h, d = q.shape
     hkv = problem.num_kv_heads
     # Grouped queries attend to their kv head without materializing repeated k/v.
     qg = q.reshape(b, t, hkv, h // hkv, d)
     s = jnp.einsum("btngd,bsnd->bngts", qg, k, preferred_element_type=jnp.float32)
     s = s * problem.sm_scale
+    cap_grad = None
+    if problem.logits_soft_cap is not None:
+        cap = problem.logits_soft_cap
+        tanh = jnp.tanh(s / cap)
+        s = cap * tanh
+        cap_grad = 1.0 - tanh * tanh
     mask = visibility_mask(problem, q_segment_ids, kv_segment_ids)
-    return jnp.where(mask, s, -jnp.inf), mask
+    return jnp.where(mask, s, -jnp.inf), mask, cap_grad
 
 
 def _weighted_values(p, v, shape):
@@ -61,7 +69,7 @@ def _normalized(q, k, v, problem, q_segment_ids, kv_segment_ids):
     """Softmax attention over k, v: (o [B, T, H, D] float32, row max and denominator
     [B, Hkv, G, T] float32). A row that sees no key gets o = 0 and denominator 0."""
     b, t, h, d = q.shape
-    s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
+    s, mask, _ = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
     row_max = jnp.max(s, axis=-1, keepdims=True)
     # A row that sees no key has max -inf; shifting by 0 keeps it finite and all-zero.
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -115,12 +123,14 @@ def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv
     hkv = problem.num_kv_heads
     group = h // hkv
     with jax.named_scope("attention_xla_block_grads"):
-        s, mask = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
+        s, mask, cap_grad = _scores(q, k, problem, q_segment_ids, kv_segment_ids)
         lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf).reshape(b, hkv, group, t, 1)
         p = jnp.where(mask, jnp.exp(s - lse), 0.0)  # [B, Hkv, G, T, S]
         dog = do.reshape(b, t, hkv, group, d)
         dp = jnp.einsum("btngd,bsnd->bngts", dog, v, preferred_element_type=jnp.float32)
         ds = p * (dp - delta.reshape(b, hkv, group, t, 1)) * problem.sm_scale
+        if cap_grad is not None:
+            ds = ds * cap_grad
         dv = jnp.einsum("bngts,btngd->bsnd", p.astype(do.dtype), dog,
                         preferred_element_type=jnp.float32)
         dq = _weighted_values(ds, k, (b, t, h, d))

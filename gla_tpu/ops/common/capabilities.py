@@ -14,7 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-ATTENTION_FEATURES = ("causal", "gqa", "segment_ids")
+ATTENTION_FEATURES = ("causal", "gqa", "segment_ids", "local_window", "logits_soft_cap")
 GLA_FEATURES = ("segment_ids", "initial_state", "final_state")
 DELTA_RULE_FEATURES = GLA_FEATURES + ("grouped_value_heads", "qk_l2norm")
 FEATURE_NAMES = {
@@ -25,6 +25,8 @@ FEATURE_NAMES = {
     "final_state": "output_final_state=True",
     "grouped_value_heads": "grouped value heads (more v heads than q/k heads)",
     "qk_l2norm": "use_qk_l2norm=True",
+    "local_window": "local_window_size",
+    "logits_soft_cap": "logits_soft_cap",
 }
 # The ops whose problems carry a mode, a gate kind and a chunk size.
 CHUNKED_OPS = ("gla", "delta_rule")
@@ -167,7 +169,7 @@ def backend_table(capabilities: list[Capabilities]) -> str:
     op = capabilities[0].op
     if op == "flash_attention":
         header = ["backend", "platform", "dtypes", "head_dim", "causal", "GQA/MQA", "segment_ids",
-                  "how it runs"]
+                  "local_window_size", "logits_soft_cap", "how it runs"]
     else:
         header = ["backend", "platform", "dtypes", "K", "V", "modes", "gates", "chunk_size",
                   "segment_ids", "initial / final state", "how it runs"]

@@ -28,7 +28,7 @@ CAPABILITIES = Capabilities(
     op="flash_attention", backend="pallas_gpu",
     platform="CUDA GPU (H100/H200; CPU with interpret=True)",
     dtypes=("bfloat16", "float16", "float32"),
-    dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
+    dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES[:3],
     notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 / "
           "256 in bf16 / f16, Triton elsewhere; dq and dk/dv kernels: Mosaic GPU on Hopper under "
           "the same conditions, Triton elsewhere",
