@@ -106,10 +106,16 @@ def _attention_program(spec: Spec):
     bthd = jax.ShapeDtypeStruct((b, t, h, d), bf16)
     bhtd = jax.ShapeDtypeStruct((b, h, t, d), bf16)
     scale = d ** -0.5
+    # options "window" (a causal window's left size) and "soft_cap": ours and splash only
+    hybrid = _hybrid_options(opts)
+    if hybrid and spec.impl not in ("gla_tpu", "splash"):
+        raise ValueError(f"options {sorted(hybrid)} are for impls gla_tpu and splash; got "
+                         f"{spec.impl!r}.")
     if spec.impl == "gla_tpu":
         sizes = _our_attention_blocks(opts)
         fn, args = (lambda q, k, v: ops.flash_attention(
-            q, k, v, causal=causal, backend="mosaic_tpu", block_sizes=sizes)), (bthd,) * 3
+            q, k, v, causal=causal, backend="mosaic_tpu", block_sizes=sizes,
+            **hybrid)), (bthd,) * 3
     elif spec.impl == "gla_tpu_xla":
         fn, args = (lambda q, k, v: ops.flash_attention(q, k, v, causal=causal,
                                                         backend="xla")), (bthd,) * 3
@@ -142,13 +148,27 @@ def _attention_program(spec: Spec):
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
         mask = sm.CausalMask((t, t)) if causal else sm.FullMask((t, t))
+        if hybrid.get("local_window_size") is not None:
+            mask = sm.LocalMask((t, t), hybrid["local_window_size"], offset=0)
         kernel = sk.make_splash_mha(mask=sm.MultiHeadMask([mask] * h), head_shards=1,
-                                    q_seq_shards=1)
+                                    q_seq_shards=1,
+                                    attn_logits_soft_cap=hybrid.get("logits_soft_cap"))
         fn = lambda q, k, v: jax.vmap(kernel)(q * scale, k, v)  # noqa: E731
         args = (bhtd,) * 3
     else:
         raise ValueError(f"unknown attention impl {spec.impl!r}")
     return fn, args
+
+
+def _hybrid_options(opts: dict) -> dict:
+    """flash_attention's local_window_size ((window, 0): causal) and logits_soft_cap from a
+    spec's ("window", w) and ("soft_cap", c) options; {} without them."""
+    out = {}
+    if opts.get("window") is not None:
+        out["local_window_size"] = (opts["window"], 0)
+    if opts.get("soft_cap") is not None:
+        out["logits_soft_cap"] = opts["soft_cap"]
+    return out
 
 
 def _our_attention_blocks(opts: dict):
@@ -178,7 +198,8 @@ def _attention_backward_program(spec: Spec):
 
     b, h, t, d, causal = spec.shape
     x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
-    problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None)
+    problem, _, _ = validate_attention(x, x, x, causal=causal, sm_scale=None, segment_ids=None,
+                                       **_hybrid_options(dict(spec.options)))
     with targeting(spec.generation):  # the generation's default tiles, as inside its program
         cfg = plan.kernel_config(problem, _our_attention_blocks(dict(spec.options)), False)
     tp = cfg.q_len_padded

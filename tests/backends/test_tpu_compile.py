@@ -113,6 +113,40 @@ def test_attention_compiles(name, generation, passes):
     assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
+# Hybrid-model attention: local windows (Gemma 2's 4096 at T = 8192, a window narrower than a
+# block, two-sided) and soft-capped scores, forward+backward and forward only:
+# name -> (B, T, H, Hkv, D, causal, local_window_size, logits_soft_cap).
+ATTENTION_HYBRID = {
+    "t8192_h8_d128_causal_window4096_softcap": (1, 8192, 8, 4, 128, True, 4096, 50.0),
+    "t4096_h16_d128_causal_window1024": (1, 4096, 16, 16, 128, True, (1024, 0), None),
+    "t2048_h8_hkv2_d64_window100_300": (2, 2048, 8, 2, 64, False, (100, 300), None),
+    "t2048_h8_d256_softcap": (1, 2048, 8, 8, 256, False, None, 30.0),
+}
+ATTENTION_HYBRID_DEFAULT = {
+    "t8192_h8_d128_causal_window4096_softcap": {"fwd_bwd": ("v5e",), "fwd": ("v6e",)},
+    "t4096_h16_d128_causal_window1024": {"fwd_bwd": ("v6e",), "fwd": ("v5p",)},
+    "t2048_h8_hkv2_d64_window100_300": {"fwd_bwd": ("v4",), "fwd": ()},
+    "t2048_h8_d256_softcap": {"fwd_bwd": ("7x",), "fwd": ()},
+}
+
+
+@pytest.mark.parametrize("name,generation,passes", [
+    pytest.param(n, gen, p, id=f"{n}-{gen}-{p}",
+                 marks=() if gen in ATTENTION_HYBRID_DEFAULT[n][p] else FULL)
+    for n in ATTENTION_HYBRID for gen in TPU_GENERATIONS for p in ("fwd_bwd", "fwd")])
+def test_attention_window_and_soft_cap_compile(name, generation, passes):
+    b, t, h, hkv, d, causal, window, cap = ATTENTION_HYBRID[name]
+    args = [jax.ShapeDtypeStruct((b, t, h, d), BF16), jax.ShapeDtypeStruct((b, t, hkv, d), BF16),
+            jax.ShapeDtypeStruct((b, t, hkv, d), BF16)]
+
+    def forward(q, k, v):
+        return ops.flash_attention(q, k, v, causal=causal, local_window_size=window,
+                                   logits_soft_cap=cap, backend="mosaic_tpu")
+
+    fn = _grad_of_sum(forward, (0, 1, 2)) if passes == "fwd_bwd" else forward
+    assert compile_for_tpu(fn, *args, generation=generation) is not None
+
+
 # float32 inputs at D = 256 with segment ids: the largest default tiles by VMEM on the chips with
 # the smallest default scoped limit, 16 MiB: v4's dk/dv kernel at 512 x 512 (12.1 MiB by
 # plan.vmem_estimate_bytes), v5e's and v5p's forward at 1024 x 1024 (13.2 MiB; v5p in --full).

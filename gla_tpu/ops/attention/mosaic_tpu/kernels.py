@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_tpu.ops.attention.mosaic_tpu import rows
+from gla_tpu.ops.attention.mosaic_tpu import blocks, rows
 from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig, cost_estimate
 from gla_tpu.ops.common.base2 import LN_2, LOG2_E
 from gla_tpu.ops.common.masks import attention_visibility
@@ -33,24 +33,30 @@ from gla_tpu.ops.common.products import product
 from gla_tpu.ops.common.tpu import LANES
 
 
-def _block_has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
-    """Causal: does q block `q_block` see any key of kv block `kv_block`? (traced int32 ok)."""
-    return kv_block * bkv <= (q_block + 1) * bq - 1 + cfg.offset
-
-
 def _run_where_visible(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int, compute):
-    """Runs `compute(masked)` for this (q block, kv block) step, where causal only if the q block
-    sees a key of the kv block. `masked` is static: whether any block of the kernel needs the
-    visibility mask (a causal mask, segment ids, padded keys). One copy of the body serves every
-    block: a second, mask-free copy for the blocks inside the mask would save its arithmetic
-    there (libtpu's estimate: 0.5% of the causal D = 128 forward on v5e, 2.5% on v6e) and
-    cost half as much compile time again (docs/attention_mosaic_tpu.md, "Causal block
-    skipping")."""
-    masked = cfg.causal or cfg.has_segments or cfg.kv_padded
-    if cfg.causal:
-        pl.when(_block_has_visible_key(cfg, q_block, kv_block, bq, bkv))(lambda: compute(masked))
+    """Runs `compute(masked)` for this (q block, kv block) step, where causal or windowed only if
+    the q block sees a key of the kv block (blocks.py). `masked` is static: whether any block of
+    the kernel needs the visibility mask (causal, a window, segment ids, padded keys). One copy
+    of the body serves every block: a second, mask-free copy for the blocks inside the mask
+    would save its arithmetic there (libtpu's estimate: 0.5% of the causal D = 128 forward on
+    v5e, 2.5% on v6e) and cost half as much compile time again (docs/attention_mosaic_tpu.md,
+    "Causal block skipping")."""
+    if cfg.bounded:
+        pl.when(blocks.has_visible_key(cfg, q_block, kv_block, bq, bkv))(
+            lambda: compute(cfg.masked))
     else:
-        compute(masked)
+        compute(cfg.masked)
+
+
+def _scores(cfg: KernelConfig, qk):
+    """Scores in base-2 units from q k^T: sm_scale q k^T log2(e), soft-capped where the call has
+    a cap c (c tanh(sm_scale q k^T / c) log2(e)); with the cap's derivative 1 - tanh^2, which the
+    backward multiplies into ds (None without a cap)."""
+    if cfg.logits_soft_cap is None:
+        return qk * (cfg.sm_scale * LOG2_E), None
+    cap = cfg.logits_soft_cap
+    tanh = jnp.tanh(qk * (cfg.sm_scale / cap))
+    return tanh * (cap * LOG2_E), 1.0 - tanh * tanh
 
 
 def _lanes_to(x, width: int):
@@ -63,26 +69,11 @@ def _lanes_to(x, width: int):
     return jnp.concatenate([jnp.tile(x, (1, reps)), x[:, :rest]], axis=1)
 
 
-def _last_kv_block(cfg: KernelConfig, q_block, bq: int, bkv: int):
-    """Causal: last kv block that q block `q_block` sees, clamped into the grid."""
-    nkv = cfg.kv_len_padded // bkv
-    # Clamping the dividend at 0 first lets a truncating division stand for the floor (a
-    # negative one would clamp to block 0 anyway).
-    last = lax.div(jnp.maximum((q_block + 1) * bq - 1 + cfg.offset, 0), bkv)
-    return jnp.minimum(last, nkv - 1)
-
-
-def _first_q_block(cfg: KernelConfig, kv_block, bq: int, bkv: int):
-    """Causal: first q block that sees any key of kv block `kv_block`, clamped into the grid."""
-    nq = cfg.q_len_padded // bq
-    first = lax.div(jnp.maximum(kv_block * bkv - cfg.offset, 0), bq)
-    return jnp.minimum(first, nq - 1)
-
-
 def _visibility(cfg: KernelConfig, q_pos, k_pos, q_seg, kv_seg):
     """Bool mask of the block (shape of q_pos/k_pos broadcast)."""
     mask = attention_visibility(
-        q_pos, k_pos, causal=cfg.causal, offset=cfg.offset, q_seg=q_seg, kv_seg=kv_seg
+        q_pos, k_pos, causal=cfg.causal, offset=cfg.offset, q_seg=q_seg, kv_seg=kv_seg,
+        window=cfg.window,
     )
     if cfg.kv_padded:
         mask = jnp.logical_and(mask, k_pos < cfg.kv_len)
@@ -101,7 +92,9 @@ def _compiler_params(cfg: KernelConfig, semantics, vmem_limit_bytes=None):
 
 def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
     causal = "_causal" if cfg.causal else ""
-    return f"flash_{kind}{causal}_d{cfg.head_dim}_block_q={bq}_block_kv={bkv}"
+    window = "" if cfg.window is None else f"_window={cfg.window[0]}_{cfg.window[1]}"
+    cap = "" if cfg.logits_soft_cap is None else "_softcap"
+    return f"flash_{kind}{causal}{window}{cap}_d{cfg.head_dim}_block_q={bq}_block_kv={bkv}"
 
 
 # Forward.
@@ -147,8 +140,7 @@ def _forward_update(cfg: KernelConfig, i, j, read_q, read_kv, m_sc, acc_sc, sums
         for c in range(bkv // bkc):
             cols = slice(c * bkc, (c + 1) * bkc)
             k, v = read_kv(cols)  # [bkc, D] each
-            s = product(q, k, "nt")
-            s = s * (cfg.sm_scale * LOG2_E)  # [bq, bkc], base-2 units
+            s, _ = _scores(cfg, product(q, k, "nt"))  # [bq, bkc], base-2 units
             if masked:
                 q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
                 k_pos = j * bkv + c * bkc + lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -282,14 +274,9 @@ def _rows_semantics(cfg: KernelConfig) -> tuple:
 
 
 def _kv_blocks_seen(cfg: KernelConfig, bq: int, bkv: int, i):
-    """(lo, hi): the kv blocks q block i sees (causal: 0 to its last, none where it sees no
-    key), as a traced int32 range; lo > hi where empty."""
-    nkv = cfg.kv_len_padded // bkv
-    if not cfg.causal:
-        return jnp.int32(0), jnp.int32(nkv - 1)
-    last_key = (i + 1) * bq - 1 + cfg.offset
-    hi = jnp.where(last_key < 0, -1, jnp.minimum(lax.div(jnp.maximum(last_key, 0), bkv), nkv - 1))
-    return jnp.int32(0), hi
+    """(lo, hi): the kv blocks q block i may see (blocks.kv_range), as a traced int32 range;
+    lo > hi where it sees none."""
+    return blocks.kv_range(cfg, i, bq, bkv)
 
 
 def _rows_out(shape, dtype, rows: int, index_map, token_major: bool):
@@ -312,18 +299,18 @@ def _rows_out(shape, dtype, rows: int, index_map, token_major: bool):
 def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
     """Index maps of the (batch, head, q block, kv block) grids of the forward and dq kernels.
 
-    Returns (q_map, kv_map, segment BlockSpecs [q ids, kv ids]). With causal masking, kv blocks
-    past the diagonal are skipped; kv_map re-points them to the last needed block so the pipeline
-    sees an unchanged index and fetches nothing. The kv head is the query head divided by the
-    group size (GQA without repeating k/v).
+    Returns (q_map, kv_map, segment BlockSpecs [q ids, kv ids]). With causal masking or a
+    window, the kv blocks outside the q block's range are skipped; kv_map re-points them to the
+    nearest needed block so the pipeline sees an unchanged index and fetches nothing. The kv head
+    is the query head divided by the group size (GQA without repeating k/v).
     """
 
     def q_map(bi, hi, i, j):
         return bi, hi, i, 0
 
     def kv_map(bi, hi, i, j):
-        if cfg.causal:
-            j = jnp.minimum(j, _last_kv_block(cfg, i, bq, bkv))
+        if cfg.bounded:
+            j = blocks.clamp_into(j, blocks.kv_range(cfg, i, bq, bkv))
         return bi, lax.div(hi, cfg.group), j, 0
 
     def kv_seg_map(bi, hi, i, j):
@@ -448,8 +435,7 @@ def _dq_head(cfg: KernelConfig, i, j, read, lse_ref, di_ref, dq_sc, write_dq, q_
 
     def compute(masked: bool):
         q, k, v, do = read()
-        s = product(q, k, "nt")
-        s = s * (cfg.sm_scale * LOG2_E)  # [bq, bkv], base-2 units
+        s, cap_grad = _scores(cfg, product(q, k, "nt"))  # [bq, bkv], base-2 units
         p = jnp.exp2(s - _column(lse_ref) * LOG2_E)  # [bq, bkv]
         if masked:
             q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
@@ -459,6 +445,8 @@ def _dq_head(cfg: KernelConfig, i, j, read, lse_ref, di_ref, dq_sc, write_dq, q_
             p = jnp.where(_visibility(cfg, q_pos, k_pos, q_seg, kv_seg), p, 0.0)
         dp = product(do, v, "nt")  # [bq, bkv]
         ds = p * (dp - _column(di_ref))
+        if cap_grad is not None:
+            ds = ds * cap_grad
         dq_sc[...] += product(ds.astype(k.dtype), k)  # [bq, D]
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
@@ -542,8 +530,7 @@ def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_se
 
     def compute(masked: bool):
         q, k, v, do = read()
-        s_t = product(k, q, "nt")
-        s_t = s_t * (cfg.sm_scale * LOG2_E)  # [bkv, bq], base-2 units
+        s_t, cap_grad = _scores(cfg, product(k, q, "nt"))  # [bkv, bq], base-2 units
         p_t = jnp.exp2(s_t - lse_ref[...] * LOG2_E)  # [bkv, bq]; lse row [1, bq]
         if masked:
             k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
@@ -554,6 +541,8 @@ def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_se
         dv_sc[...] += product(p_t.astype(do.dtype), do)  # [bkv, D]
         dp_t = product(v, do, "nt")
         ds_t = p_t * (dp_t - di_ref[...])  # [bkv, bq]
+        if cap_grad is not None:
+            ds_t = ds_t * cap_grad
         dk_sc[...] += product(ds_t.astype(q.dtype), q)  # [bkv, D]
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
@@ -579,10 +568,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
 
 
 def _dkv_q_block(cfg: KernelConfig, j, i):
-    """The q block the dk/dv kernels fetch at (kv block j, q step i): causal, the q blocks before
-    the first one that sees kv block j are skipped by pointing them at it."""
-    if cfg.causal:
-        return jnp.maximum(i, _first_q_block(cfg, j, cfg.block_q_dkv, cfg.block_kv_dkv))
+    """The q block the dk/dv kernels fetch at (kv block j, q step i): causal or windowed, the q
+    blocks outside the range that sees kv block j are skipped by pointing them at its edge."""
+    if cfg.bounded:
+        return blocks.clamp_into(i, blocks.q_range(cfg, j, cfg.block_q_dkv, cfg.block_kv_dkv))
     return i
 
 

@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 
 from gla_tpu.ops.attention.mosaic_tpu import rows
 from gla_tpu.ops.common.flops import attention_matmul_flops
+from gla_tpu.ops.common.masks import window_bounds
 from gla_tpu.ops.common.tpu import LANES, SUBLANES, target_tpu_info, tpu_interpret_params
 
 # Sequence blocks are lane dims of the score tiles and of the lse/di/segment rows.
@@ -192,6 +193,25 @@ class KernelConfig:
     # whole grid in order: rows.RowStream)
     stream_across_rows: bool
     interpret: Any  # False or a pltpu.InterpretParams
+    # (left, right) local window (causal: right 0) or None; validation.AttentionProblem.window
+    window: tuple | None = None
+    logits_soft_cap: float | None = None
+
+    @property
+    def reach(self) -> tuple[int | None, int | None]:
+        """(left, right) keys a query sees around its aligned position; None: unbounded."""
+        return window_bounds(self.window, self.causal)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether some (q block, kv block) pairs see nothing by position (causal or a window):
+        the kernels skip them."""
+        return self.reach != (None, None)
+
+    @property
+    def masked(self) -> bool:
+        """Whether the kernels mask scores: by position, segment or padded keys."""
+        return self.bounded or self.has_segments or self.kv_padded
 
     @property
     def group(self) -> int:
@@ -312,6 +332,7 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         row_sum_on_mxu=row_sums, forward_reads_rows=reads_rows,
         stream_across_rows=_one_core_in_order(info, interpret),
         interpret=tpu_interpret_params(interpret),
+        window=problem.window, logits_soft_cap=problem.logits_soft_cap,
     )
 
 

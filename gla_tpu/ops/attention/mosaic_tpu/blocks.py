@@ -1,0 +1,66 @@
+"""Which (q block, kv block) pairs of the Mosaic TPU attention kernels see each other.
+
+Query row r (of the padded q) sits at position r + offset (offset = S - T, bottom-right
+alignment) and sees key c iff r + offset - left <= c <= r + offset + right, with
+(left, right) = `KernelConfig.reach` (None on a side: unbounded; causal: right = 0). A q block
+i of bq rows and a kv block j of bkv keys see each other iff some pair does; the kernels skip
+the other steps (no compute, and index maps that re-point them at a needed block, so nothing is
+fetched). Every function takes traced int32 block indices.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig
+
+
+def _floor_div(x, d: int):
+    """floor(x / d) for a traced int32 x of either sign and a positive d."""
+    return lax.div(x - jnp.where(x < 0, d - 1, 0), d)
+
+
+def has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
+    """Does q block `q_block` see any key of kv block `kv_block`? (True where unbounded.)"""
+    left, right = cfg.reach
+    visible = jnp.bool_(True)
+    if right is not None:  # the block's first key is not past its last query's reach
+        visible = kv_block * bkv <= (q_block + 1) * bq - 1 + cfg.offset + right
+    if left is not None:  # the block's last key reaches its first query's window
+        visible = jnp.logical_and(visible,
+                                  (kv_block + 1) * bkv - 1 >= q_block * bq + cfg.offset - left)
+    return visible
+
+
+def kv_range(cfg: KernelConfig, q_block, bq: int, bkv: int):
+    """(first, last) kv blocks q block `q_block` may see, clamped into [0, NKV - 1]; first > last
+    only where it sees none."""
+    nkv = cfg.kv_len_padded // bkv
+    left, right = cfg.reach
+    first, last = jnp.int32(0), jnp.int32(nkv - 1)
+    if left is not None:
+        first = jnp.clip(_floor_div(q_block * bq + cfg.offset - left, bkv), 0, nkv - 1)
+    if right is not None:
+        last = jnp.minimum(_floor_div((q_block + 1) * bq - 1 + cfg.offset + right, bkv),
+                           nkv - 1)
+    return first, last
+
+
+def q_range(cfg: KernelConfig, kv_block, bq: int, bkv: int):
+    """(first, last) q blocks that may see kv block `kv_block`, clamped into [0, NQ - 1]."""
+    nq = cfg.q_len_padded // bq
+    left, right = cfg.reach
+    first, last = jnp.int32(0), jnp.int32(nq - 1)
+    if right is not None:  # query r sees key c only if r >= c - offset - right
+        first = jnp.clip(_floor_div(kv_block * bkv - cfg.offset - right, bq), 0, nq - 1)
+    if left is not None:  # and only if r <= c - offset + left
+        last = jnp.minimum(_floor_div((kv_block + 1) * bkv - 1 - cfg.offset + left, bq), nq - 1)
+    return first, last
+
+
+def clamp_into(index, bounds):
+    """`index` moved into [first, last] (first where the range is empty): a skipped step's
+    block index, equal to a neighbour's so that the pipeline fetches nothing new."""
+    first, last = bounds
+    return jnp.maximum(jnp.minimum(index, last), first)
