@@ -22,11 +22,14 @@ def _floor_div(x, d: int):
 
 
 def has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
-    """Does q block `q_block` see any key of kv block `kv_block`? (True where unbounded.)"""
+    """Does q block `q_block` see any key of kv block `kv_block`? (True where unbounded; False
+    for a block index past the grid, which the windowed grids' steps can reach.)"""
     left, right = cfg.reach
-    visible = jnp.bool_(True)
+    visible = jnp.logical_and(kv_block <= cfg.kv_len_padded // bkv - 1,
+                              q_block <= cfg.q_len_padded // bq - 1)
     if right is not None:  # the block's first key is not past its last query's reach
-        visible = kv_block * bkv <= (q_block + 1) * bq - 1 + cfg.offset + right
+        visible = jnp.logical_and(
+            visible, kv_block * bkv <= (q_block + 1) * bq - 1 + cfg.offset + right)
     if left is not None:  # the block's last key reaches its first query's window
         visible = jnp.logical_and(visible,
                                   (kv_block + 1) * bkv - 1 >= q_block * bq + cfg.offset - left)
@@ -64,3 +67,48 @@ def clamp_into(index, bounds):
     block index, equal to a neighbour's so that the pipeline fetches nothing new."""
     first, last = bounds
     return jnp.maximum(jnp.minimum(index, last), first)
+
+
+# A window (both sides bounded) shortens the grid's inner axis: each q block steps only over the
+# kv blocks its window can reach (and each kv block over the q blocks that can reach it), so
+# the kernels visit O(T * window) blocks and pay no per-step overhead for the others. Causal
+# attention without a window keeps the full axis, its skipped steps re-pointed.
+
+
+def windowed(cfg: KernelConfig) -> bool:
+    return cfg.window is not None
+
+
+def kv_steps(cfg: KernelConfig, bq: int, bkv: int) -> int:
+    """The inner grid extent of the q-major kernels (forward, dq): every kv block, or under a
+    window the most kv blocks one q block's keys span."""
+    nkv = cfg.kv_len_padded // bkv
+    if not windowed(cfg):
+        return nkv
+    left, right = cfg.reach
+    return min(nkv, (bq - 1 + left + right) // bkv + 2)
+
+
+def q_steps(cfg: KernelConfig, bq: int, bkv: int) -> int:
+    """The inner grid extent of the kv-major kernel (dk/dv): every q block, or under a window the
+    most q blocks that reach one kv block."""
+    nq = cfg.q_len_padded // bq
+    if not windowed(cfg):
+        return nq
+    left, right = cfg.reach
+    return min(nq, (bkv - 1 + left + right) // bq + 2)
+
+
+def kv_block_at(cfg: KernelConfig, q_block, step, bq: int, bkv: int):
+    """The kv block of inner step `step` for q block `q_block` (may lie past the q block's last
+    one, or past the grid: `has_visible_key` is then False)."""
+    if not windowed(cfg):
+        return step
+    return kv_range(cfg, q_block, bq, bkv)[0] + step
+
+
+def q_block_at(cfg: KernelConfig, kv_block, step, bq: int, bkv: int):
+    """The q block of inner step `step` for kv block `kv_block` (the dk/dv kernel)."""
+    if not windowed(cfg):
+        return step
+    return q_range(cfg, kv_block, bq, bkv)[0] + step

@@ -100,20 +100,23 @@ def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
 # Forward.
 
 
-def _forward_head(cfg: KernelConfig, i, j, read_q, read_kv, write_o, lse_ref, m_sc, acc_sc,
+def _forward_head(cfg: KernelConfig, i, step, read_q, read_kv, write_o, lse_ref, m_sc, acc_sc,
                   sums_sc, q_seg_ref, kv_seg_ref):
-    """One head's online softmax at grid step (q block i, kv block j): the state starts at the
-    first kv block (`_forward_init`), takes this kv block where the q block sees it
-    (`_forward_update`), and o and lse are written after the last one (`_forward_finalize`).
+    """One head's online softmax at grid step (q block i, inner step `step`, the kv block
+    `blocks.kv_block_at`): the state starts at the first step (`_forward_init`), takes the kv
+    block where the q block sees it (`_forward_update`), and o and lse are written after the
+    last step (`_forward_finalize`).
 
     read_q() -> q [bq, D]; read_kv(cols) -> (k, v) [bkc, D] for a slice of the kv block's rows;
     write_o(o) stores o [bq, D] float32; lse_ref a [1, bq] row. m_sc [bq, 128]; with row sums on
     the VPU acc_sc [bq, D] and sums_sc = l [bq, 128]; on the MXU acc_sc = [l | acc]
     [bq, 128 + D] and sums_sc = vx = [ones | v] [bkc, 128 + D] (the ones go first so that every
     slice starts on a lane tile)."""
-    pl.when(j == 0)(lambda: _forward_init(cfg, m_sc, acc_sc, sums_sc))
-    _forward_update(cfg, i, j, read_q, read_kv, m_sc, acc_sc, sums_sc, q_seg_ref, kv_seg_ref)
-    pl.when(j == cfg.kv_len_padded // cfg.block_kv - 1)(
+    bq, bkv = cfg.block_q, cfg.block_kv
+    pl.when(step == 0)(lambda: _forward_init(cfg, m_sc, acc_sc, sums_sc))
+    _forward_update(cfg, i, blocks.kv_block_at(cfg, i, step, bq, bkv), read_q, read_kv, m_sc,
+                    acc_sc, sums_sc, q_seg_ref, kv_seg_ref)
+    pl.when(step == blocks.kv_steps(cfg, bq, bkv) - 1)(
         lambda: _forward_finalize(cfg, write_o, lse_ref, m_sc, acc_sc, sums_sc))
 
 
@@ -207,13 +210,14 @@ def _fwd_rows_kernel(q_hbm, k_hbm, v_hbm, *refs, cfg: KernelConfig):
     o_ref, lse_ref, m_sc, acc_sc, sums_sc, o_sc, *stream_refs = refs
     bq, bkv = cfg.block_q, cfg.block_kv
     h_q = cfg.num_heads
-    i, j = pl.program_id(1), pl.program_id(2)
+    i, step = pl.program_id(1), pl.program_id(2)
+    j = blocks.kv_block_at(cfg, i, step, bq, bkv)
     stream = _row_stream(cfg, [(q_hbm, h_q, bq)], [
         (k_hbm, cfg.num_kv_heads, bkv), (v_hbm, cfg.num_kv_heads, bkv)], stream_refs,
         functools.partial(_kv_blocks_seen, cfg, bq, bkv))
-    pl.when(j == 0)(lambda: _forward_init(cfg, m_sc, acc_sc, sums_sc))
+    pl.when(step == 0)(lambda: _forward_init(cfg, m_sc, acc_sc, sums_sc))
 
-    def step(read):
+    def step_compute(read):
         def head_step(h):
             hk = h // cfg.group
             _forward_update(
@@ -225,9 +229,9 @@ def _fwd_rows_kernel(q_hbm, k_hbm, v_hbm, *refs, cfg: KernelConfig):
 
         rows.each_head(h_q, head_step)
 
-    stream.run(step)
+    stream.run(step_compute)
 
-    @pl.when(j == cfg.kv_len_padded // bkv - 1)
+    @pl.when(step == blocks.kv_steps(cfg, bq, bkv) - 1)
     def _finalize():
         def head_step(h):
             def write_o(o):
@@ -256,7 +260,8 @@ def _row_stream(cfg: KernelConfig, row_operands, step_operands, stream_refs, vis
            (*row_operands, *step_operands)]
     buffers = tuple(zip(stream_refs[:-1:2], stream_refs[1:-1:2]))
     return rows.RowStream(tuple(ops[:len(row_operands)]), tuple(ops[len(row_operands):]),
-                          buffers, stream_refs[-1], visible, cfg.stream_across_rows)
+                          buffers, stream_refs[-1], visible, cfg.stream_across_rows,
+                          steps_from_lo=blocks.windowed(cfg))
 
 
 def _stream_scratch(cfg: KernelConfig, dtype, operands) -> list:
@@ -305,10 +310,11 @@ def _q_major_maps(cfg: KernelConfig, bq: int, bkv: int):
     is the query head divided by the group size (GQA without repeating k/v).
     """
 
-    def q_map(bi, hi, i, j):
+    def q_map(bi, hi, i, step):
         return bi, hi, i, 0
 
-    def kv_map(bi, hi, i, j):
+    def kv_map(bi, hi, i, step):
+        j = blocks.kv_block_at(cfg, i, step, bq, bkv)
         if cfg.bounded:
             j = blocks.clamp_into(j, blocks.kv_range(cfg, i, bq, bkv))
         return bi, lax.div(hi, cfg.group), j, 0
@@ -346,7 +352,7 @@ def flash_forward(cfg: KernelConfig, q, k, v, q_seg, kv_seg, *, out_dtype=None,
     `out_dtype` (default q's dtype) and lse [B, H, 1, Tp] float32 rows."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q, cfg.block_kv
-    grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
+    grid = (b, h, tp // bq, blocks.kv_steps(cfg, bq, bkv))
     q_map, kv_map, seg_specs = _q_major_maps(cfg, bq, bkv)
     in_specs = [
         pl.BlockSpec((None, None, bq, d), q_map),
@@ -368,7 +374,7 @@ def flash_forward_rows(cfg: KernelConfig, q, k, v, q_seg, kv_seg):
     b, tp, h, d = q.shape
     hkv = k.shape[2]
     bq, bkv = cfg.block_q, cfg.block_kv
-    grid = (b, tp // bq, cfg.kv_len_padded // bkv)
+    grid = (b, tp // bq, blocks.kv_steps(cfg, bq, bkv))
     head_map, kv_head_map, seg_specs = _q_major_maps(cfg, bq, bkv)
 
     def q_map(bi, i, j):
@@ -422,14 +428,16 @@ def _forward_call(cfg, kernel, grid, args, in_specs, seg_specs, o_out, lse_spec,
 # Backward: dq.
 
 
-def _dq_head(cfg: KernelConfig, i, j, read, lse_ref, di_ref, dq_sc, write_dq, q_seg_ref,
+def _dq_head(cfg: KernelConfig, i, step, read, lse_ref, di_ref, dq_sc, write_dq, q_seg_ref,
              kv_seg_ref):
-    """One head's dq at grid step (q block i, kv block j): read() -> (q, k, v, do), [bq, D] and
-    [bkv, D]; lse_ref, di_ref [1, bq] rows; dq_sc [bq, D] float32; write_dq(dq) stores the
-    scaled float32 dq after the last kv block."""
+    """One head's dq at grid step (q block i, inner step `step`, the kv block
+    `blocks.kv_block_at`): read() -> (q, k, v, do), [bq, D] and [bkv, D]; lse_ref, di_ref
+    [1, bq] rows; dq_sc [bq, D] float32; write_dq(dq) stores the scaled float32 dq after the
+    last step."""
     bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
+    j = blocks.kv_block_at(cfg, i, step, bq, bkv)
 
-    @pl.when(j == 0)
+    @pl.when(step == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
@@ -451,7 +459,7 @@ def _dq_head(cfg: KernelConfig, i, j, read, lse_ref, di_ref, dq_sc, write_dq, q_
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
-    @pl.when(j == cfg.kv_len_padded // bkv - 1)
+    @pl.when(step == blocks.kv_steps(cfg, bq, bkv) - 1)
     def _finalize():
         write_dq(dq_sc[...] * cfg.sm_scale)
 
@@ -488,10 +496,10 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtyp
     lse, di [B, H, 1, Tp] float32."""
     b, h, tp, d = q.shape
     bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
-    grid = (b, h, tp // bq, cfg.kv_len_padded // bkv)
+    grid = (b, h, tp // bq, blocks.kv_steps(cfg, bq, bkv))
     q_map, kv_map, seg_specs = _q_major_maps(cfg, bq, bkv)
 
-    def row_map(bi, hi, i, j):
+    def row_map(bi, hi, i, step):
         return bi, hi, 0, i
 
     in_specs = _backward_in_specs(bq, bkv, d, q_map, kv_map, row_map)
@@ -552,14 +560,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
     """Head-major blocks; grid (b, kv head, j, query head in group, i)."""
     q_seg_ref, kv_seg_ref, (dk_ref, dv_ref, dk_sc, dv_sc) = _segment_refs(cfg, refs)
     j, gi, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    q_block = blocks.q_block_at(cfg, j, i, cfg.block_q_dkv, cfg.block_kv_dkv)
 
     @pl.when(jnp.logical_and(gi == 0, i == 0))
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    _dkv_head(cfg, j, i, lambda: (q_ref[...], k_ref[...], v_ref[...], do_ref[...]), lse_ref,
-              di_ref, dk_sc, dv_sc, q_seg_ref, kv_seg_ref)
+    _dkv_head(cfg, j, q_block, lambda: (q_ref[...], k_ref[...], v_ref[...], do_ref[...]),
+              lse_ref, di_ref, dk_sc, dv_sc, q_seg_ref, kv_seg_ref)
 
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))
     def _finalize():
@@ -568,10 +577,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
 
 
 def _dkv_q_block(cfg: KernelConfig, j, i):
-    """The q block the dk/dv kernels fetch at (kv block j, q step i): causal or windowed, the q
-    blocks outside the range that sees kv block j are skipped by pointing them at its edge."""
+    """The q block the dk/dv kernels fetch at (kv block j, inner step i): causal or windowed,
+    the steps outside the range of q blocks that see kv block j are pointed at its edge."""
+    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
+    i = blocks.q_block_at(cfg, j, i, bq, bkv)
     if cfg.bounded:
-        return blocks.clamp_into(i, blocks.q_range(cfg, j, cfg.block_q_dkv, cfg.block_kv_dkv))
+        return blocks.clamp_into(i, blocks.q_range(cfg, j, bq, bkv))
     return i
 
 
@@ -583,7 +594,7 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
     g = cfg.group
     # (batch, kv head, kv block) parallel; (query head in group, q block) accumulate.
-    grid = (b, hkv, sp // bkv, g, cfg.q_len_padded // bq)
+    grid = (b, hkv, sp // bkv, g, blocks.q_steps(cfg, bq, bkv))
 
     q_block = functools.partial(_dkv_q_block, cfg)
 

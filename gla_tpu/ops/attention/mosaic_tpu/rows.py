@@ -138,15 +138,19 @@ class RowStream:
     state: Any  # SMEM int32 [3]
     visible: Callable
     across_rows: bool
+    # the grid's step axis counts from each row's lo (a windowed grid, blocks.kv_steps) rather
+    # than from block 0
+    steps_from_lo: bool = False
 
     def run(self, compute) -> None:
         """compute(read) at each visible step, read(operand index, head, start, size) giving
         rows of the step's blocks (operands indexed as row_operands + step_operands)."""
-        b, r, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        b, r, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lo, hi = self.visible(r)
+        s = lo + step if self.steps_from_lo else step  # the step's block
         state = self.state
         if self.across_rows:
-            @pl.when((b == 0) & (r == 0) & (s == 0))
+            @pl.when((b == 0) & (r == 0) & (step == 0))
             def _init():
                 state[0] = 0
                 state[1] = 0
