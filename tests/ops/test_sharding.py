@@ -79,13 +79,15 @@ def _attention_inputs(hkv, segments, h=H, b=B, t=T):
     return q, k, v, seg
 
 
-def _check_attention(sharding, backend, hkv=None, segments=False, causal=True, h=H, b=B, t=T):
+def _check_attention(sharding, backend, hkv=None, segments=False, causal=True, h=H, b=B, t=T,
+                     **options):
+    """options: local_window_size, logits_soft_cap."""
     q, k, v, seg = _attention_inputs(h if hkv is None else hkv, segments, h, b, t)
 
     def op(sharding):
         def fn(q, k, v):
             return ops.flash_attention(q, k, v, causal=causal, segment_ids=seg, backend=backend,
-                                       interpret=backend != "xla", sharding=sharding)
+                                       interpret=backend != "xla", sharding=sharding, **options)
         return fn
 
     want = _value_and_grads(op(None), (q, k, v), (0, 1, 2))
@@ -465,6 +467,29 @@ def test_ring_attention_matches_unsharded_xla(layout, causal, hkv, segments):
     shape, names, spec = CP_LAYOUTS[layout]
     _check_attention(NamedSharding(_mesh(shape, names), spec), "xla", hkv=hkv,
                      segments=segments, causal=causal, t=RING_T)
+
+
+# Ring attention under a local window (contiguous blocks of n = 6 tokens on 8 devices, 12 on 4):
+# windows narrower than a block, a few blocks wide, covering the ring, two-sided; a soft cap.
+@pytest.mark.parametrize("layout, causal, window, cap", [
+    ("8-time", True, 4, None),
+    ("8-time", False, (7, 5), 2.0),  # two blocks back, one ahead, of the eight
+    pytest.param("2x4-batch-time", False, (13, 5), None, marks=pytest.mark.full),  # every block
+    pytest.param("8-time", True, 15, None, marks=pytest.mark.full),
+    pytest.param("8-time", False, (40, 50), None, marks=pytest.mark.full),
+    pytest.param("4x2-time-heads", True, (30, 0), 1.0, marks=pytest.mark.full),
+])
+def test_ring_attention_with_a_window_matches_unsharded_xla(layout, causal, window, cap):
+    shape, names, spec = CP_LAYOUTS[layout]
+    _check_attention(NamedSharding(_mesh(shape, names), spec), "xla", hkv=2, segments=True,
+                     causal=causal, t=RING_T, local_window_size=window, logits_soft_cap=cap)
+
+
+def test_ring_attention_with_a_window_in_interpret_mode():
+    """mosaic_tpu blocks with block-local windows of negative sides, over 4 devices."""
+    sharding = NamedSharding(_mesh((4,), ("seq",)), P(None, "seq"))
+    _check_attention(sharding, "mosaic_tpu", hkv=1, causal=True, h=2, b=1, t=256,
+                     local_window_size=70, logits_soft_cap=3.0)
 
 
 @pytest.mark.parametrize("backend", ["mosaic_tpu", "pallas_gpu"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from gla_tpu.ops.attention import ring as ring_lib
 from gla_tpu.ops.attention.validation import validate_attention
 from gla_tpu.ops.common import backends
@@ -114,15 +116,11 @@ def _ring(layout, problem, module, block_sizes, interpret) -> ring_lib.Ring | No
     if shards == 1:
         return None
     where = f"flash_attention with T split over mesh axes {layout.time_axes} ({shards} devices)"
-    if problem.window is not None:
-        raise NotImplementedError(
-            f"{where}: ring attention does not take local_window_size yet; shard the batch and "
-            "head axes, or call it unsharded.")
     if problem.kv_len != problem.q_len:
         raise NotImplementedError(
             f"{where}: ring attention takes self-attention, q and k of one length; got T = "
             f"{problem.q_len}, S = {problem.kv_len}.")
-    if problem.causal and problem.q_len % (2 * shards):
+    if problem.causal and problem.window is None and problem.q_len % (2 * shards):
         raise ValueError(
             f"{where}: causal ring attention cuts T into 2 x {shards} zigzag halves, so T must "
             f"be a multiple of {2 * shards}; got T = {problem.q_len}.")
@@ -131,28 +129,32 @@ def _ring(layout, problem, module, block_sizes, interpret) -> ring_lib.Ring | No
             f"{where}: backend {module.CAPABILITIES.backend!r} has no ring attention blocks; "
             "use backend='xla' or 'mosaic_tpu', or shard the batch and head axes only.")
 
-    def block_problem(q, k, v, q_seg, kv_seg, causal):
+    def block_problem(q, k, v, q_seg, kv_seg, causal, window):
         segments = None if q_seg is None else (q_seg, kv_seg)
         local, q_seg, kv_seg = validate_attention(
             q, k, v, causal=causal, sm_scale=problem.sm_scale, segment_ids=segments,
             logits_soft_cap=problem.logits_soft_cap)
+        # a block's window is in its own positions and may have a negative side (ring.py)
+        local = dataclasses.replace(local, window=window)
         return dict(problem=local, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                     block_sizes=block_sizes, interpret=interpret)
 
-    def block(q, k, v, q_seg, kv_seg, causal):
-        return module.attention_block(q, k, v, **block_problem(q, k, v, q_seg, kv_seg, causal))
+    def block(q, k, v, q_seg, kv_seg, causal, window=None):
+        return module.attention_block(
+            q, k, v, **block_problem(q, k, v, q_seg, kv_seg, causal, window))
 
-    def block_grads(q, k, v, do, lse, delta, q_seg, kv_seg, causal):
+    def block_grads(q, k, v, do, lse, delta, q_seg, kv_seg, causal, window=None):
         return module.attention_block_grads(
-            q, k, v, do, lse, delta, **block_problem(q, k, v, q_seg, kv_seg, causal))
+            q, k, v, do, lse, delta, **block_problem(q, k, v, q_seg, kv_seg, causal, window))
 
     return ring_lib.Ring(axes=layout.time_axes, shards=shards, causal=problem.causal,
-                         block=block, block_grads=block_grads)
+                         block=block, block_grads=block_grads, window=problem.window)
 
 
 def _ring_local(ring: ring_lib.Ring, layout, q, k, v, q_seg, kv_seg):
-    """One device's ring attention on its contiguous blocks (zigzag inside where causal)."""
-    if not ring.causal:
+    """One device's ring attention on its contiguous blocks (zigzag inside where causal without
+    a window)."""
+    if not ring.causal or ring.window is not None:
         return ring_lib.ring_attention(ring, q, k, v, q_seg, kv_seg)
     zig = lambda x: ring_lib.to_zigzag(x, ring.axes, ring.shards)  # noqa: E731
     o = ring_lib.ring_attention(ring, *map(zig, (q, k, v, q_seg, kv_seg)))

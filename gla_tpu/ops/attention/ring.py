@@ -17,6 +17,13 @@ device p holds halves p and 2P-1-p. Then, with halves of m tokens:
 Every step after the first costs 2m^2 scores on every device. The op takes and returns the
 contiguous layout; the reordering is two `ppermute`s each way (`to_zigzag`, `from_zigzag`).
 
+A local window (left L, right R; causal: R = 0) keeps the contiguous layout, whose work is then
+balanced already, and visits only the blocks the window reaches: with blocks of n tokens, the
+ceil(L / n) blocks before the device's own (k and v passed to the next device, as above) and the
+ceil(R / n) after it (passed to the previous device), or every block where those cover the ring.
+The block from device r = p - d is a window call with (L - d n, R + d n) in block-local
+positions; where r wraps around the ring (r < 0 or r >= P) a `lax.cond` picks d = s - P.
+
 A backend serves the ring through two functions on one (query block, key block) pair,
 `attention_block` (o and lse, float32) and `attention_block_grads` (dq, dk, dv, float32, given
 the whole attention's lse and delta = rowsum(o * do)); see the xla backend for their contract.
@@ -25,6 +32,7 @@ the whole attention's lse and delta = rowsum(o * do)); see the xla backend for t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -40,8 +48,11 @@ class Ring:
       axes: the mesh axes over T (one ring over their product).
       shards: P, the number of devices in the ring.
       causal: zigzag-balanced causal attention; else every step sees every key.
-      block: (q, k, v, q_seg, kv_seg, causal) -> (o f32 [B, n, H, D], lse f32 [B, H, n]).
-      block_grads: (q, k, v, do, lse, delta, q_seg, kv_seg, causal) -> (dq, dk, dv) f32.
+      block: (q, k, v, q_seg, kv_seg, causal, window) -> (o f32 [B, n, H, D], lse f32
+        [B, H, n]); window None or (left, right) in the block's own positions (either may be
+        negative).
+      block_grads: (q, k, v, do, lse, delta, q_seg, kv_seg, causal, window) -> (dq, dk, dv) f32.
+      window: the call's (left, right) key reach (causal: right 0), or None.
     """
 
     axes: tuple[str, ...]
@@ -49,12 +60,17 @@ class Ring:
     causal: bool
     block: Callable
     block_grads: Callable
+    window: tuple | None = None
 
     def send_to_next(self, x):
         """x from device p to device p + 1 (mod P); None passes through."""
+        return self.send(x, 1)
+
+    def send(self, x, shift: int):
+        """x from device p to device p + shift (mod P); None passes through."""
         if x is None:
             return None
-        perm = [(i, (i + 1) % self.shards) for i in range(self.shards)]
+        perm = [(i, (i + shift) % self.shards) for i in range(self.shards)]
         return lax.ppermute(x, self.axes, perm)
 
 
@@ -184,11 +200,81 @@ def _ring_forward(ring: Ring, q, k, v, q_seg, kv_seg):
     return o.astype(q.dtype), lse
 
 
+def _window_schedule(ring: Ring, n: int) -> tuple[int, int]:
+    """(blocks before, blocks after) the device's own that its queries' window reaches, each
+    visited through its own direction of the ring; (P - 1, 0) where they cover the ring."""
+    left, right = ring.window
+    p = ring.shards
+    before = -(-left // n) if left > 0 else 0
+    after = -(-right // n) if right > 0 else 0
+    if before + after >= p - 1:
+        return p - 1, 0
+    return before, after
+
+
+def _window_of(ring: Ring, distance: int, n: int) -> tuple[int, int]:
+    """The block-local window of the keys from device p - distance."""
+    left, right = ring.window
+    return left - distance * n, right + distance * n
+
+
+def _windowed_block(ring: Ring, fn, step: int, shift: int, n: int):
+    """fn(window) for the block `step` hops away in direction `shift` (+1: from earlier devices,
+    -1: from later ones); a `lax.cond` on whether it wrapped around the ring."""
+    p = lax.axis_index(ring.axes)
+    distance = shift * step  # r = p - distance without wrapping
+    wrapped = p < step if shift > 0 else p + step >= ring.shards
+    plain = functools.partial(fn, _window_of(ring, distance, n))
+    around = functools.partial(fn, _window_of(ring, distance - shift * ring.shards, n))
+    return lax.cond(wrapped, around, plain)
+
+
+def _windowed_forward(ring: Ring, q, k, v, q_seg, kv_seg):
+    n = q.shape[1]
+    before, after = _window_schedule(ring, n)
+    o, lse = ring.block(q, k, v, q_seg, kv_seg, False, _window_of(ring, 0, n))
+    for shift, count in ((1, before), (-1, after)):
+        kv = (k, v, kv_seg)
+        for step in range(1, count + 1):
+            kv = tuple(ring.send(x, shift) for x in kv)
+            o_step, lse_step = _windowed_block(
+                ring, lambda w, kv=kv: ring.block(q, kv[0], kv[1], q_seg, kv[2], False, w),
+                step, shift, n)
+            o, lse = merge(o, lse, o_step, lse_step)
+    return o.astype(q.dtype), lse
+
+
+def _windowed_grads(ring: Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
+    n = q.shape[1]
+    before, after = _window_schedule(ring, n)
+
+    def grads(kv, window):
+        return ring.block_grads(q, kv[0], kv[1], do, lse, delta, q_seg, kv[2], False, window)
+
+    dq, dk, dv = grads((k, v, kv_seg), _window_of(ring, 0, n))
+    for shift, count in ((1, before), (-1, after)):
+        kv = (k, v, kv_seg)
+        dkv = None
+        for step in range(1, count + 1):
+            kv = tuple(ring.send(x, shift) for x in kv)
+            if dkv is not None:
+                dkv = tuple(ring.send(x, shift) for x in dkv)
+            ddq, ddk, ddv = _windowed_block(ring, lambda w, kv=kv: grads(kv, w), step, shift, n)
+            dq = dq + ddq
+            dkv = (ddk, ddv) if dkv is None else (dkv[0] + ddk, dkv[1] + ddv)
+        if dkv is not None:  # home: the keys' device, `count` hops back
+            dk, dv = dk + ring.send(dkv[0], -shift * count), dv + ring.send(dkv[1],
+                                                                            -shift * count)
+    return dq, dk, dv
+
+
 def ring_attention(ring: Ring, q, k, v, q_seg, kv_seg):
     """o [B, n, H, D] in q's dtype: the local queries over every device's keys.
 
     q [B, n, H, D], k, v [B, n, Hkv, D], segment ids [B, n] or None: this device's blocks, in the
-    zigzag layout where causal."""
+    zigzag layout where causal without a window."""
+    if ring.window is not None:
+        return _windowed_ring_attention(ring, q, k, v, q_seg, kv_seg)
 
     @jax.custom_vjp
     def attend(q, k, v, q_seg, kv_seg):
@@ -212,6 +298,27 @@ def ring_attention(ring: Ring, q, k, v, q_seg, kv_seg):
             dq, dkv = dq + ddq, (dkv[0] + ddk, dkv[1] + ddv)
         # after P - 1 hops device p holds the gradients of device p + 1's keys: one more hop home
         dk, dv = map(ring.send_to_next, dkv)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q, k, v, q_seg, kv_seg)
+
+
+def _windowed_ring_attention(ring: Ring, q, k, v, q_seg, kv_seg):
+    """`ring_attention` under a local window (contiguous layout)."""
+
+    @jax.custom_vjp
+    def attend(q, k, v, q_seg, kv_seg):
+        return _windowed_forward(ring, q, k, v, q_seg, kv_seg)[0]
+
+    def attend_fwd(q, k, v, q_seg, kv_seg):
+        o, lse = _windowed_forward(ring, q, k, v, q_seg, kv_seg)
+        return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+    def attend_bwd(residuals, do):
+        q, k, v, q_seg, kv_seg, o, lse = residuals
+        delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+        dq, dk, dv = _windowed_grads(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
     attend.defvjp(attend_fwd, attend_bwd)
