@@ -16,9 +16,18 @@ from jax import lax
 from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig
 
 
-def _floor_div(x, d: int):
-    """floor(x / d) for a traced int32 x of either sign and a positive d."""
-    return lax.div(x - jnp.where(x < 0, d - 1, 0), d)
+def _first(x, d: int, n: int):
+    """The first block of `d` rows holding position x, clamped into [0, n - 1] (traced int32)."""
+    return jnp.minimum(lax.div(jnp.maximum(x, 0), d), n - 1)
+
+
+def _last(x, d: int, n: int):
+    """The last block of `d` rows at or before position x, at most n - 1; -1 where x < 0 (no
+    block). Written as a select around a truncating division of a non-negative number: libtpu's
+    static profile of the rows forward, whose steps run under `lo <= s <= hi`, counts only a
+    fraction of them (half at T = 4096) when hi is a floor division of a possibly negative
+    number, although the values are the same (docs/tpu_static_estimate.md)."""
+    return jnp.where(x < 0, -1, jnp.minimum(lax.div(jnp.maximum(x, 0), d), n - 1))
 
 
 def has_visible_key(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int):
@@ -43,10 +52,9 @@ def kv_range(cfg: KernelConfig, q_block, bq: int, bkv: int):
     left, right = cfg.reach
     first, last = jnp.int32(0), jnp.int32(nkv - 1)
     if left is not None:
-        first = jnp.clip(_floor_div(q_block * bq + cfg.offset - left, bkv), 0, nkv - 1)
+        first = _first(q_block * bq + cfg.offset - left, bkv, nkv)
     if right is not None:
-        last = jnp.minimum(_floor_div((q_block + 1) * bq - 1 + cfg.offset + right, bkv),
-                           nkv - 1)
+        last = _last((q_block + 1) * bq - 1 + cfg.offset + right, bkv, nkv)
     return first, last
 
 
@@ -56,9 +64,9 @@ def q_range(cfg: KernelConfig, kv_block, bq: int, bkv: int):
     left, right = cfg.reach
     first, last = jnp.int32(0), jnp.int32(nq - 1)
     if right is not None:  # query r sees key c only if r >= c - offset - right
-        first = jnp.clip(_floor_div(kv_block * bkv - cfg.offset - right, bq), 0, nq - 1)
+        first = _first(kv_block * bkv - cfg.offset - right, bq, nq)
     if left is not None:  # and only if r <= c - offset + left
-        last = jnp.minimum(_floor_div((kv_block + 1) * bkv - 1 - cfg.offset + left, bq), nq - 1)
+        last = _last((kv_block + 1) * bkv - 1 - cfg.offset + left, bq, nq)
     return first, last
 
 
