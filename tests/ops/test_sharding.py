@@ -358,8 +358,8 @@ def test_delta_rule_sharded_matches_unsharded_xla(layout):
 
 # Context-parallel delta rule: each time layout, every gate kind among them, segment ids that
 # change inside blocks and at block boundaries, an initial state. The default run takes
-# fused_recurrent on xla (the cheapest to compile) and chunk on mosaic_tpu; --full adds chunk on
-# xla.
+# fused_recurrent on xla (the cheapest to compile); --full adds chunk on xla and on mosaic_tpu
+# (interpret mode; the context-parallel code is the same for every backend).
 @pytest.mark.parametrize("layout, gate, mode", [
     pytest.param("8-time", "key", "chunk", marks=pytest.mark.full),
     ("4x2-time-heads", "head", "fused_recurrent"),
@@ -373,6 +373,7 @@ def test_context_parallel_delta_rule_matches_unsharded_xla(layout, gate, mode):
                       segments=_boundary_segments())
 
 
+@pytest.mark.full
 def test_context_parallel_delta_rule_matches_unsharded_mosaic_tpu():
     """mode "chunk" over batch and T on a (2, 2) mesh, TPU interpret mode; blocks of 20 tokens."""
     sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", "model"))
@@ -487,6 +488,7 @@ def test_ring_attention_with_a_window_matches_unsharded_xla(layout, causal, wind
                      causal=causal, t=RING_T, local_window_size=window, logits_soft_cap=cap)
 
 
+@pytest.mark.full
 def test_ring_attention_with_a_window_in_interpret_mode():
     """mosaic_tpu blocks with block-local windows of negative sides, over 4 devices."""
     sharding = NamedSharding(_mesh((4,), ("seq",)), P(None, "seq"))
