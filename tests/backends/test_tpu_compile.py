@@ -38,6 +38,14 @@ def _sweep(configs, default_generations, generations=TPU_GENERATIONS):
             for name in configs for gen in generations]
 
 
+def _per_pass_sweep(configs, defaults):
+    """(name, generation, passes) params over `configs` x generations x ("fwd_bwd", "fwd"), the
+    triples outside `defaults[name][passes]` marked `full`."""
+    return [pytest.param(n, gen, p, id=f"{n}-{gen}-{p}",
+                         marks=() if gen in defaults[n][p] else FULL)
+            for n in configs for gen in TPU_GENERATIONS for p in ("fwd_bwd", "fwd")]
+
+
 def _grad_of_sum(fn, argnums):
     """Forward and backward of `fn`: the gradient of the sum of its squared outputs. (With a plain
     sum, an output's cotangent would not depend on its value and XLA would drop a forward kernel
@@ -130,10 +138,8 @@ ATTENTION_HYBRID_DEFAULT = {
 }
 
 
-@pytest.mark.parametrize("name,generation,passes", [
-    pytest.param(n, gen, p, id=f"{n}-{gen}-{p}",
-                 marks=() if gen in ATTENTION_HYBRID_DEFAULT[n][p] else FULL)
-    for n in ATTENTION_HYBRID for gen in TPU_GENERATIONS for p in ("fwd_bwd", "fwd")])
+@pytest.mark.parametrize("name,generation,passes",
+                         _per_pass_sweep(ATTENTION_HYBRID, ATTENTION_HYBRID_DEFAULT))
 def test_attention_window_and_soft_cap_compile(name, generation, passes):
     b, t, h, hkv, d, causal, window, cap = ATTENTION_HYBRID[name]
     args = [jax.ShapeDtypeStruct((b, t, h, d), BF16), jax.ShapeDtypeStruct((b, t, hkv, d), BF16),
@@ -431,20 +437,23 @@ def _delta_rule_args(gate, b, t, h, hv, kd, vd):
     return tuple(args)
 
 
-def _delta_rule(q, k, v, beta, s0, g=None):
-    return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
-                          use_qk_l2norm=True, mode="chunk", backend="mosaic_tpu")
-
-
-@pytest.mark.parametrize("name,generation,passes", [
-    pytest.param(n, gen, p, id=f"{n}-{gen}-{p}",
-                 marks=() if gen in DELTA_RULE_DEFAULT[n][p] else FULL)
-    for n in DELTA_RULE for gen in TPU_GENERATIONS for p in ("fwd_bwd", "fwd")])
-def test_delta_rule_compiles(name, generation, passes):
-    gate, *shape = DELTA_RULE[name]
+def _compile_delta_rule(mode, config, generation, passes):
+    """Compiles ops.delta_rule (mosaic_tpu, states in and out, q and k l2-normalized in the op)
+    of `config` = (gate, B, T, H, HV, K, V) in `mode`, forward or forward+backward."""
+    gate, *shape = config
     args = _delta_rule_args(gate, *shape)
-    fn = _delta_rule if passes == "fwd" else _grad_of_sum(_delta_rule, tuple(range(len(args))))
+
+    def forward(q, k, v, beta, s0, g=None):
+        return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                              use_qk_l2norm=True, mode=mode, backend="mosaic_tpu")
+
+    fn = forward if passes == "fwd" else _grad_of_sum(forward, tuple(range(len(args))))
     assert compile_for_tpu(fn, *args, generation=generation) is not None
+
+
+@pytest.mark.parametrize("name,generation,passes", _per_pass_sweep(DELTA_RULE, DELTA_RULE_DEFAULT))
+def test_delta_rule_compiles(name, generation, passes):
+    _compile_delta_rule("chunk", DELTA_RULE[name], generation, passes)
 
 
 @pytest.mark.parametrize("generation", TPU_GENERATIONS)
@@ -481,21 +490,10 @@ DELTA_RULE_RECURRENT_DEFAULT = {
 }
 
 
-def _delta_rule_recurrent(q, k, v, beta, s0, g=None):
-    return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
-                          use_qk_l2norm=True, mode="fused_recurrent", backend="mosaic_tpu")
-
-
-@pytest.mark.parametrize("name,generation,passes", [
-    pytest.param(n, gen, p, id=f"{n}-{gen}-{p}",
-                 marks=() if gen in DELTA_RULE_RECURRENT_DEFAULT[n][p] else FULL)
-    for n in DELTA_RULE_RECURRENT for gen in TPU_GENERATIONS for p in ("fwd_bwd", "fwd")])
+@pytest.mark.parametrize("name,generation,passes",
+                         _per_pass_sweep(DELTA_RULE_RECURRENT, DELTA_RULE_RECURRENT_DEFAULT))
 def test_delta_rule_fused_recurrent_compiles(name, generation, passes):
-    gate, *shape = DELTA_RULE_RECURRENT[name]
-    args = _delta_rule_args(gate, *shape)
-    fn = (_delta_rule_recurrent if passes == "fwd"
-          else _grad_of_sum(_delta_rule_recurrent, tuple(range(len(args)))))
-    assert compile_for_tpu(fn, *args, generation=generation) is not None
+    _compile_delta_rule("fused_recurrent", DELTA_RULE_RECURRENT[name], generation, passes)
 
 
 # The harness itself.

@@ -268,57 +268,44 @@ def _windowed_grads(ring: Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
     return dq, dk, dv
 
 
+def _ring_grads(ring: Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
+    """Float32 (dq, dk, dv) of the whole ring: k, v and their gradients travel together."""
+    kv = (k, v, kv_seg)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for step in range(ring.shards):
+        if step:
+            kv = tuple(map(ring.send_to_next, kv))
+            dkv = tuple(map(ring.send_to_next, dkv))
+        ddq, ddk, ddv = _step_grads(ring, step, q, q_seg, do, lse, delta, kv)
+        dq, dkv = dq + ddq, (dkv[0] + ddk, dkv[1] + ddv)
+    # after P - 1 hops device p holds the gradients of device p + 1's keys: one more hop home
+    dk, dv = map(ring.send_to_next, dkv)
+    return dq, dk, dv
+
+
 def ring_attention(ring: Ring, q, k, v, q_seg, kv_seg):
     """o [B, n, H, D] in q's dtype: the local queries over every device's keys.
 
     q [B, n, H, D], k, v [B, n, Hkv, D], segment ids [B, n] or None: this device's blocks, in the
-    zigzag layout where causal without a window."""
-    if ring.window is not None:
-        return _windowed_ring_attention(ring, q, k, v, q_seg, kv_seg)
+    zigzag layout where causal without a window (contiguous under a window)."""
+    if ring.window is None:
+        forward, grads = _ring_forward, _ring_grads
+    else:
+        forward, grads = _windowed_forward, _windowed_grads
 
     @jax.custom_vjp
     def attend(q, k, v, q_seg, kv_seg):
-        return _ring_forward(ring, q, k, v, q_seg, kv_seg)[0]
+        return forward(ring, q, k, v, q_seg, kv_seg)[0]
 
     def attend_fwd(q, k, v, q_seg, kv_seg):
-        o, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+        o, lse = forward(ring, q, k, v, q_seg, kv_seg)
         return o, (q, k, v, q_seg, kv_seg, o, lse)
 
     def attend_bwd(residuals, do):
         q, k, v, q_seg, kv_seg, o, lse = residuals
         delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-        kv = (k, v, kv_seg)
-        dq = jnp.zeros(q.shape, jnp.float32)
-        dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        for step in range(ring.shards):
-            if step:
-                kv = tuple(map(ring.send_to_next, kv))
-                dkv = tuple(map(ring.send_to_next, dkv))
-            ddq, ddk, ddv = _step_grads(ring, step, q, q_seg, do, lse, delta, kv)
-            dq, dkv = dq + ddq, (dkv[0] + ddk, dkv[1] + ddv)
-        # after P - 1 hops device p holds the gradients of device p + 1's keys: one more hop home
-        dk, dv = map(ring.send_to_next, dkv)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend(q, k, v, q_seg, kv_seg)
-
-
-def _windowed_ring_attention(ring: Ring, q, k, v, q_seg, kv_seg):
-    """`ring_attention` under a local window (contiguous layout)."""
-
-    @jax.custom_vjp
-    def attend(q, k, v, q_seg, kv_seg):
-        return _windowed_forward(ring, q, k, v, q_seg, kv_seg)[0]
-
-    def attend_fwd(q, k, v, q_seg, kv_seg):
-        o, lse = _windowed_forward(ring, q, k, v, q_seg, kv_seg)
-        return o, (q, k, v, q_seg, kv_seg, o, lse)
-
-    def attend_bwd(residuals, do):
-        q, k, v, q_seg, kv_seg, o, lse = residuals
-        delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-        dq, dk, dv = _windowed_grads(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
+        dq, dk, dv = grads(ring, q, k, v, q_seg, kv_seg, do, lse, delta)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
     attend.defvjp(attend_fwd, attend_bwd)
