@@ -11,6 +11,8 @@ ends, counted "[n/N]" over the run.
 Parts (--part, repeatable):
   attention             softmax attention: ours, cuDNN, XLA, JAX's Pallas, jla's FA3
   attention_segments    attention with segment ids: ours, our Triton kernels, our XLA backend
+  attention_window      causal attention under a local window (and a soft cap): ours, cuDNN,
+                        and our own causal kernel without a window at the same T
   gla, gla_per_head     GLA (per-key / per-head gates): ours, jla, fla
   gla_segments          GLA with segment ids against the same draw without them
   decode                one token with a state: ours vs fla's fused_recurrent_gla
@@ -71,7 +73,7 @@ GLA_SHAPES = [(4, 4096, 16, 128, 128), (8, 2048, 4, 256, 512), (8, 2048, 16, 64,
               (2, 16384, 8, 128, 128)]
 CROSSOVER_T = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 MATCH_TOLERANCE = 2e-2  # relative RMS error between two bfloat16 implementations
-PARTS = ["attention", "attention_segments", "gla", "gla_per_head", "gla_segments", "decode",
+PARTS = ["attention", "attention_segments", "attention_window", "gla", "gla_per_head", "gla_segments", "decode",
          "crossover", "breakdown", "breakdown_pair_levels"]
 
 
@@ -369,6 +371,60 @@ def bench_attention_segments(ctx, rng, shape, modes):
                    flops=lambda mode: attention_flops(b, t, t, h, d, causal=causal,
                                                       backward=mode == "fwd+bwd"),
                    note=f"segment ids: {int(ids[0, -1]) + 1} documents in row 0; ")
+
+
+# Local windows: causal, query i sees keys i - w .. i (local_window_size=(w, 0)), B1 H8 D128, as
+# the TPU estimate of docs/benchmarks.md. cuDNN takes the window through
+# jax.nn.dot_product_attention(local_window_size=...) and has no soft cap: the soft-capped
+# programs are ours against ours uncapped. FLOPs count the visible (query, key) pairs.
+WINDOW_SHAPES = [(1, 8, 8192, 128), (1, 8, 16384, 128)]  # (B, H, T, D)
+WINDOWS = [1024, 4096]
+WINDOW_SOFT_CAP = 50.0  # Gemma 2's attention cap
+
+
+def window_pairs(t: int, w: int | None) -> int:
+    """Visible (query, key) pairs of causal attention over T tokens under a window (w, 0)."""
+    if w is None:
+        return t * (t + 1) // 2
+    w = min(w, t - 1)
+    return (w + 1) * (w + 2) // 2 + (t - w - 1) * (w + 1)
+
+
+def attention_window_impls(window, modes, ours_only=False):
+    """[(name, jax function (q, k, v) -> o, modes)] for one window size (None: causal only)."""
+    from gla_tpu import ops
+
+    def ours(**options):
+        return lambda q, k, v: ops.flash_attention(q, k, v, causal=True, backend="pallas_gpu",
+                                                   **options)
+
+    if window is None:
+        return [("ours_pallas_gpu", ours(), modes)]
+    impls = [("ours_pallas_gpu", ours(local_window_size=(window, 0)), modes),
+             ("ours_pallas_gpu_softcap",
+              ours(local_window_size=(window, 0), logits_soft_cap=WINDOW_SOFT_CAP), modes)]
+    if not ours_only:
+        impls.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(window, 0), implementation="cudnn"),
+            modes))
+    return impls
+
+
+def bench_attention_window(ctx, rng, shape, window, modes):
+    """One shape and window: attention_window_impls on inputs drawn from `rng`."""
+    b, h, t, d = shape
+    arrs = [jnp.asarray(rng.standard_normal((b, t, h, d), np.float32), jnp.bfloat16)
+            for _ in range(3)]
+    ct = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
+    pairs = window_pairs(t, window)
+
+    def flops(mode):  # 2 matmuls of 2 D flops per visible pair; fwd+bwd 3.5x
+        return 4.0 * b * h * d * pairs * (3.5 if mode == "fwd+bwd" else 1.0)
+
+    tag = "causal" if window is None else f"causal+window{window}"
+    time_jax_impls(ctx, attention_window_impls(window, modes, ctx.ours_only), arrs, ct,
+                   op="softmax", shape=(b, h, t, d, tag), flops=flops,
+                   note=f"visible pairs {pairs / window_pairs(t, None):.3f} of causal; ")
 
 
 # GLA.
@@ -773,6 +829,16 @@ def plan_part(ctx, part, args):
             steps.append((sum(len(m) for _, _, m in impls),
                           functools.partial(bench_attention_segments, ctx, rng, shape,
                                             modes)))
+    elif part == "attention_window":
+        shapes = WINDOW_SHAPES[:1] if args.quick else WINDOW_SHAPES
+        if args.attention_shapes:
+            shapes = [WINDOW_SHAPES[int(i)] for i in args.attention_shapes.split(",")]
+        for shape in shapes:
+            for window in [None, *WINDOWS]:
+                impls = attention_window_impls(window, modes, ctx.ours_only)
+                steps.append((sum(len(m) for _, _, m in impls),
+                              functools.partial(bench_attention_window, ctx, rng, shape, window,
+                                                modes)))
     elif part in ("gla", "gla_per_head"):
         per_head = part == "gla_per_head"
         impls = gla_jax_impls(ctx, modes, per_head=per_head, variants=[{}] + gla_variants)

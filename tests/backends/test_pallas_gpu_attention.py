@@ -59,6 +59,13 @@ FULL = pytest.mark.full
     # segment ids, a pair where some queries see no key: every block masked
     (AttentionCase(1, 200, 300, 4, 2, 64, causal=False, segments="pair"),
      ForwardTiles(64, 64, 2), BF16),
+    # a causal window narrower than a tile, soft-capped: each tile streams only the key blocks
+    # its window reaches, consumer 1 releases the leading block consumer 0 alone needs
+    (AttentionCase(1, 400, 400, 2, 1, 64, causal=True, window=(70, 0), soft_cap=2.0),
+     ForwardTiles(64, 64, 2), BF16),
+    # a two-sided window with T < S: masked blocks on both edges, unmasked ones between
+    pytest.param(AttentionCase(1, 200, 330, 2, 2, 128, window=(150, 40)),
+                 ForwardTiles(64, 64, 3), F16, marks=FULL),
 ], ids=str)
 def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
@@ -87,6 +94,13 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     # segment ids (a shared array) with causal masking, GQA: the ids streamed on both sides
     (AttentionCase(1, 200, 200, 4, 2, 64, causal=True, segments="shared"),
      BackwardTiles(64, 64, 2), F16),
+    # a causal window, soft-capped, GQA: both kernels stream only the blocks the window reaches
+    # and release the ones only the other consumer needs
+    (AttentionCase(1, 400, 400, 4, 2, 64, causal=True, window=(90, 0), soft_cap=2.0),
+     BackwardTiles(64, 64, 2), BF16),
+    # head dim 256 under a window: dk/dv's split roles over a shared tile
+    pytest.param(AttentionCase(1, 300, 300, 2, 1, 256, causal=True, window=(100, 0)),
+                 BackwardTiles(64, 32, 2), F16, marks=FULL),
 ], ids=str)
 def test_mosaic_backward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, backward_kernel="mosaic_gpu", mosaic_backward=tiles)
@@ -226,12 +240,16 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
     assert text.count("xla.gpu.triton") == 2  # dq, dkv
 
 
-@pytest.mark.parametrize("head_dim,causal,tiles,segments", [
-    (64, True, BackwardTiles(), False), (128, False, BackwardTiles(64, 128, 2), False),
-    (256, True, BackwardTiles(64, 32, 2), True), (64, False, BackwardTiles(), True)])
-def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments):
+@pytest.mark.parametrize("head_dim,causal,tiles,segments,options", [
+    (64, True, BackwardTiles(), False, {}), (128, False, BackwardTiles(64, 128, 2), False, {}),
+    (256, True, BackwardTiles(64, 32, 2), True, {}), (64, False, BackwardTiles(), True, {}),
+    (128, True, BackwardTiles(64, 128, 2), False,
+     dict(local_window_size=300, logits_soft_cap=30.0)),
+    (256, False, BackwardTiles(64, 32, 2), True, dict(local_window_size=(200, 100)))])
+def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments, options):
     """Forward, dq and dk/dv through Mosaic GPU's lowering for CUDA (layout inference, wgmma
-    shapes, shared-memory transforms, the shared-memory budget), GQA and padded lengths."""
+    shapes, shared-memory transforms, the shared-memory budget), GQA and padded lengths; with a
+    window and a soft cap."""
     q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
     ids_q = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
@@ -242,7 +260,7 @@ def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments):
 
     def loss(q, k, v, sq, skv):
         o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes,
-                                segment_ids=(sq, skv) if segments else None)
+                                segment_ids=(sq, skv) if segments else None, **options)
         return jnp.sum(o.astype(jnp.float32))
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids_q, ids_kv).lower(
@@ -361,6 +379,11 @@ GPU_CASES = [
     AttentionCase(2, 1000, 1000, 4, 2, 128, causal=True, segments="shared"),
     AttentionCase(1, 777, 1029, 4, 4, 64, causal=False, segments="pair"),
     AttentionCase(1, 1000, 1200, 4, 2, 256, causal=True, segments="pair"),
+    # local windows and soft caps: causal, two-sided with T < S, with segments, at D = 256
+    AttentionCase(2, 4096, 4096, 8, 8, 128, causal=True, window=(1024, 0), soft_cap=2.0),
+    AttentionCase(1, 2000, 2300, 4, 2, 64, window=(300, 200)),
+    AttentionCase(2, 1000, 1000, 4, 2, 128, causal=True, segments="shared", window=(200, 0)),
+    AttentionCase(1, 1000, 1000, 4, 2, 256, causal=True, window=(100, 0), soft_cap=1.0),
 ]
 
 
@@ -412,6 +435,7 @@ TRITON_GPU_CASES = [
     AttentionCase(2, 1500, 1000, 4, 2, 64, causal=True),
     AttentionCase(2, 1024, 1024, 4, 2, 128, causal=True, segments="shared"),
     AttentionCase(1, 777, 1029, 4, 4, 64, causal=False, segments="pair"),
+    AttentionCase(1, 2000, 2000, 4, 2, 128, causal=True, window=(500, 0), soft_cap=2.0),
 ]
 
 

@@ -27,6 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gla_tpu.ops.attention.mosaic_tpu import blocks, rows
 from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig, cost_estimate
+from gla_tpu.ops.attention.scores import base2_scores
 from gla_tpu.ops.common.base2 import LN_2, LOG2_E
 from gla_tpu.ops.common.masks import attention_visibility
 from gla_tpu.ops.common.products import product
@@ -49,14 +50,8 @@ def _run_where_visible(cfg: KernelConfig, q_block, kv_block, bq: int, bkv: int, 
 
 
 def _scores(cfg: KernelConfig, qk):
-    """Scores in base-2 units from q k^T: sm_scale q k^T log2(e), soft-capped where the call has
-    a cap c (c tanh(sm_scale q k^T / c) log2(e)); with the cap's derivative 1 - tanh^2, which the
-    backward multiplies into ds (None without a cap)."""
-    if cfg.logits_soft_cap is None:
-        return qk * (cfg.sm_scale * LOG2_E), None
-    cap = cfg.logits_soft_cap
-    tanh = jnp.tanh(qk * (cfg.sm_scale / cap))
-    return tanh * (cap * LOG2_E), 1.0 - tanh * tanh
+    """(base-2 scores, the soft cap's derivative or None) from q k^T (attention/scores.py)."""
+    return base2_scores(qk, cfg.sm_scale, cfg.logits_soft_cap)
 
 
 def _lanes_to(x, width: int):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from gla_tpu.ops.attention.pallas_gpu import vjp
@@ -28,10 +27,11 @@ CAPABILITIES = Capabilities(
     op="flash_attention", backend="pallas_gpu",
     platform="CUDA GPU (H100/H200; CPU with interpret=True)",
     dtypes=("bfloat16", "float16", "float32"),
-    dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES[:3],
+    dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
     notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 / "
           "256 in bf16 / f16, Triton elsewhere; dq and dk/dv kernels: Mosaic GPU on Hopper under "
-          "the same conditions, Triton elsewhere",
+          "the same conditions, Triton elsewhere; blocks outside the causal mask or the window "
+          "skipped",
     block_sizes=BlockSizes,
 )
 
@@ -40,7 +40,8 @@ def check_supported(problem, block_sizes) -> None:
     CAPABILITIES.check(problem, block_sizes)
 
 
-def _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
+def _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret,
+             empty_row_lse=0.0):
     """Block sizes, the Mosaic GPU kernels' tiles (plan.MosaicTiles), geometry, and the inputs
     padded to it."""
     sizes = block_sizes or default_block_sizes(problem.head_dim, problem.dtype)
@@ -53,6 +54,7 @@ def _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, inter
         q_len=t, kv_len=s, padded_q=-(-t // mq) * mq, padded_kv=-(-s // mk) * mk,
         group=problem.num_heads // problem.num_kv_heads, causal=problem.causal,
         offset=s - t, sm_scale=float(problem.sm_scale), has_segments=problem.has_segments,
+        window=problem.window, soft_cap=problem.logits_soft_cap, empty_row_lse=empty_row_lse,
     )
     q_seg = kv_seg = None
     if problem.has_segments:
@@ -76,27 +78,12 @@ def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     """o [B, T, H, D] float32 over this block's keys (rounded to q's dtype by the kernel first)
     and lse [B, H, T] float32, natural log, -inf for a row that sees no key of the block; as
     `xla.attention_block`."""
+    # a row that sees no key of the block gets lse = -inf (o = 0): no weight in the ring's merge
     sizes, tiles, geo, padded = _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids,
-                                         block_sizes, interpret)
+                                         block_sizes, interpret, empty_row_lse=-jnp.inf)
     o, lse2 = vjp.forward(*padded, geo, sizes, tiles.forward, bool(interpret))
-    lse2 = lse2[:, :, : problem.q_len]
-    # Both forwards write lse = 0 (and o = 0) for a row that sees no key, which would count as a
-    # key of weight 1 in the ring's merge. Without segment ids every row of a ring block sees a
-    # key; with them, only a non-causal block can hide all keys from a row.
-    lse = lse2 * LN_2
-    if problem.has_segments and not problem.causal:
-        seen = _id_among(q_segment_ids, kv_segment_ids)[:, None, :]  # [B, 1, T]
-        lse = jnp.where(seen, lse, -jnp.inf)
+    lse = lse2[:, :, : problem.q_len] * LN_2
     return o[:, : problem.q_len].astype(jnp.float32), lse
-
-
-def _id_among(ids, pool):
-    """[B, T] bool: ids[b, t] occurs in pool[b] ([B, S]); a sort and a binary search per row
-    (ring blocks' causal calls are diagonal: each query sees at least its own token)."""
-    pool = jnp.sort(pool, axis=1)
-    at = jax.vmap(jnp.searchsorted)(pool, ids)  # [B, T], in [0, S]
-    found = jnp.take_along_axis(pool, jnp.minimum(at, pool.shape[1] - 1), axis=1)
-    return found == ids
 
 
 def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv_segment_ids,

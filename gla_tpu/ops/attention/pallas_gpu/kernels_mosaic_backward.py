@@ -13,8 +13,9 @@ blocks into a ring of shared-memory slots with the TMA unit (common/mosaic_gpu.r
   dim 256 (plan.splits_dkv_roles) the two consumers split the roles over one shared tile of keys
   instead: one accumulates dv (s^T, p^T, dv += p^T do), the other dk (s^T and dp^T, ds^T,
   dk += ds^T q), so that each holds one [64, 256] float32 accumulator.
-Causal skipping as in the Triton kernels: blocks no row of a consumer can see are not visited,
-blocks every row sees take no mask. Rows that see no key (lse = 0 from the forward, every p
+Causal and window skipping as in the Triton kernels (blocks.py): blocks no row of a tile can see
+are not streamed, blocks every row of a consumer sees take no mask. A logit soft cap multiplies
+ds by its derivative (attention/scores.py). Rows that see no key (lse = 0 from the forward, every p
 masked) give zero gradients. Keys at or past the true S are masked in dq; their dk/dv rows are
 sliced away by the caller. With segment ids each side keeps its rows' ids and streams the other
 side's beside its tiles, and every block is masked. Head dims 64, 128 and 256, bfloat16 / float16
@@ -31,14 +32,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
-    kv_blocks_for_query_tile,
-    q_blocks_for_key_tile,
-    visibility_mask,
-)
+from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask
 from gla_tpu.ops.attention.pallas_gpu.plan import (CONSUMERS, BackwardTiles, Geometry,
                                                   splits_dkv_roles)
-from gla_tpu.ops.common.base2 import LOG2_E
+from gla_tpu.ops.attention.scores import base2_scores
 from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_64, release_step, ring_producer
 
 
@@ -93,9 +90,9 @@ def _load_own(pairs, ready):
         plgpu.barrier_wait(barrier)
 
 
-def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_steps,
+def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_blocks,
                  in_place: bool):
-    """seg_refs: None, or (q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready) with
+    """tile_blocks: the key blocks [first, end) the producer streams. seg_refs: None, or (q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready) with
     segment ids (the rows' own ids; the key blocks' ids streamed beside k and v)."""
     (q_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem, own_ready,
      k_smem, v_smem, k_ready, v_ready, kv_free, batch, head, tile_base, wg, kc_smem,
@@ -107,10 +104,9 @@ def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_st
         q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready = seg_refs
         ready += (k_seg_ready,)
     dtype = q_ref.dtype
-    scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
     q_base = tile_base + wg * bq
-    full, hi = kv_blocks_for_query_tile(geo, q_base, bq, bkv)
+    tile_first, tile_end = tile_blocks
     rows = (batch, pl.ds(q_base, bq), head)
     row_vec = (batch, head, pl.ds(q_base, bq))
     own = [(q_ref.at[rows], q_smem), (do_ref.at[rows], do_smem),
@@ -125,13 +121,17 @@ def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_st
     if seg_refs is not None:  # broadcast over the keys where a step masks
         q_seg_rows = plgpu.load(q_seg_smem, layout=per_row)
 
+    def slot_of(step):
+        return lax.rem(step - tile_first, jnp.int32(tiles.stages))
+
     def step_fn(masked: bool, step, dq):
-        slot = lax.rem(step, jnp.int32(tiles.stages))
+        slot = slot_of(step)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
         s, dp = _products([(q_smem, k_smem.at[slot].transpose((1, 0))),
                            (do_smem, v_smem.at[slot].transpose((1, 0)))], (bq, bkv))
-        p = jnp.exp2(s * scale2 - lse)
+        s, cap_grad = base2_scores(s, geo.sm_scale, geo.soft_cap)
+        p = jnp.exp2(s - lse)
         if masked:
             segs = (None, None)
             if seg_refs is not None:
@@ -145,7 +145,8 @@ def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_st
                                       check_len=check_len)
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
-        ds = (p * (dp - delta)).astype(dtype)
+        ds = p * (dp - delta)
+        ds = (ds if cap_grad is None else ds * cap_grad).astype(dtype)
         if kc_ready is not None:
             plgpu.barrier_wait(kc_ready.at[slot])
         dq = _accumulate(dq, ds, (kc_smem if kc_ready is not None else k_smem).at[slot],
@@ -156,13 +157,16 @@ def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_st
         return dq
 
     def release(step, carry):
-        release_step(lax.rem(step, jnp.int32(tiles.stages)), ready, (kv_free,))
+        release_step(slot_of(step), ready, (kv_free,))
         return carry
 
+    lo, full_lo, full_hi, hi = kv_blocks(geo, q_base, bq, bkv)
     dq = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    dq = lax.fori_loop(0, full, lambda i, c: step_fn(False, i, c), dq)
-    dq = lax.fori_loop(full, hi, lambda i, c: step_fn(True, i, c), dq)
-    lax.fori_loop(hi, tile_steps, release, None)  # steps only the other consumer needs
+    lax.fori_loop(tile_first, lo, release, None)  # blocks only the other consumer needs
+    dq = lax.fori_loop(lo, full_lo, lambda i, c: step_fn(True, i, c), dq)
+    dq = lax.fori_loop(full_lo, full_hi, lambda i, c: step_fn(False, i, c), dq)
+    dq = lax.fori_loop(full_hi, hi, lambda i, c: step_fn(True, i, c), dq)
+    lax.fori_loop(hi, tile_end, release, None)
 
     q_smem[...] = (dq * geo.sm_scale).astype(dtype)
     plgpu.commit_smem()
@@ -175,18 +179,18 @@ def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_st
 BOTH, DV, DK = "dk,dv", "dv", "dk"
 
 
-def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, first_block,
-                  per_head, in_place: bool, role: str):
-    """seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready, q_seg_smem) with segment ids (the
+def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_blocks,
+                  in_place: bool, role: str):
+    """tile_blocks: the query blocks [first, end) of each head the producer streams, head after
+    head. seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready, q_seg_smem) with segment ids (the
     keys' own ids; the query blocks' ids streamed with q, their barrier among `ready`)."""
     (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, own_ready, q_smem, do_smem, lse_smem,
      delta_smem, ready, q_free, batch, kv_head, tile_base, wg, done) = refs
     bq, keys, d = tiles.block_q, k_smem.shape[0], k_ref.shape[-1]
     dtype = k_ref.dtype
-    scale2 = geo.sm_scale * LOG2_E
     k_base = tile_base + wg * keys if role == BOTH else tile_base
-    lo, full = q_blocks_for_key_tile(geo, k_base, keys, bq)
-    n_q = geo.padded_q // bq
+    first_block, end_block = tile_blocks
+    per_head = end_block - first_block
     rows = (batch, pl.ds(k_base, keys), kv_head)
     own = [(k_ref.at[rows], k_smem), (v_ref.at[rows], v_smem)]
     if seg_refs is not None:
@@ -221,7 +225,8 @@ def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, first_
             st, dpt = _products([(k_smem, q_t), (v_smem, do_t)], (keys, bq))
         else:
             (st,) = _products([(k_smem, q_t)], (keys, bq))
-        pt = jnp.exp2(st * scale2 - lse)
+        st, cap_grad = base2_scores(st, geo.sm_scale, geo.soft_cap)
+        pt = jnp.exp2(st - lse)
         if masked:
             segs = (None, None)
             if seg_refs is not None:  # (query ids, key ids), [keys, bq] each
@@ -238,7 +243,8 @@ def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, first_
             if role == BOTH:
                 dv, dpt = _accumulate_and_product(carry[1], pt.astype(dtype), do_smem.at[slot],
                                                   v_smem, do_t, (keys, bq), in_place)
-            dst = (pt * (dpt - delta)).astype(dtype)
+            dst = pt * (dpt - delta)
+            dst = (dst if cap_grad is None else dst * cap_grad).astype(dtype)
             dk = _accumulate(carry[0], dst, q_smem.at[slot], in_place)
             carry = (dk, dv) if role == BOTH else (dk,)
         if not in_place:  # as in the dq kernel
@@ -253,10 +259,13 @@ def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, first_
 
     zeros = plgpu.layout_cast(jnp.full((keys, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros) if role == BOTH else (zeros,)
+    lo, full_lo, full_hi, hi = q_blocks(geo, k_base, keys, bq)
     for g in range(geo.group):
         lax.fori_loop(first_block, lo, lambda i, c, g=g: release(g, i, c), None)
-        carry = lax.fori_loop(lo, full, lambda i, c, g=g: step_fn(True, g, i, c), carry)
-        carry = lax.fori_loop(full, n_q, lambda i, c, g=g: step_fn(False, g, i, c), carry)
+        carry = lax.fori_loop(lo, full_lo, lambda i, c, g=g: step_fn(True, g, i, c), carry)
+        carry = lax.fori_loop(full_lo, full_hi, lambda i, c, g=g: step_fn(False, g, i, c), carry)
+        carry = lax.fori_loop(full_hi, hi, lambda i, c, g=g: step_fn(True, g, i, c), carry)
+        lax.fori_loop(hi, end_block, lambda i, c, g=g: release(g, i, c), None)
 
     if role == BOTH:
         dk, dv = carry
@@ -374,7 +383,9 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
             tile = n_tiles - 1 - tile
         batch, head, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
         tile_base = tile * (CONSUMERS * bq)
-        _, tile_steps = kv_blocks_for_query_tile(geo, tile_base + (CONSUMERS - 1) * bq, bq, bkv)
+        # the key blocks of the tile: from its first consumer's first to its last consumer's end
+        tile_blocks = (kv_blocks(geo, tile_base, bq, bkv)[0],
+                       kv_blocks(geo, tile_base + (CONSUMERS - 1) * bq, bq, bkv)[3])
 
         @pl.when(wg < CONSUMERS)
         def _():
@@ -387,7 +398,7 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
                     tile_base, wg, sm.kc_smem, sm.kc_ready)
             seg_refs = ((q_seg_ref, sm.q_seg_smem2.at[wg], sm.q_seg_ready.at[wg], sm.k_seg_smem,
                          sm.k_seg_ready) if segments else None)
-            _dq_consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_steps=tile_steps,
+            _dq_consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_blocks=tile_blocks,
                          in_place=not interpret)
 
         @pl.when(wg == CONSUMERS)
@@ -396,6 +407,7 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
             kv_head = lax.div(head, jnp.int32(geo.group))
 
             def load(step, slot):
+                step = tile_blocks[0] + step  # the key block
                 keys = (batch, pl.ds(step * bkv, bkv), kv_head)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], sm.k_smem.at[slot], sm.k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], sm.v_smem.at[slot], sm.v_ready.at[slot])
@@ -406,7 +418,8 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
                     plgpu.copy_gmem_to_smem(k_seg_ref.at[batch, pl.ds(step * bkv, bkv)],
                                             sm.k_seg_smem.at[slot], sm.k_seg_ready.at[slot])
 
-            ring_producer(load, steps=tile_steps, stages=stages, free=(sm.kv_free,))
+            ring_producer(load, steps=tile_blocks[1] - tile_blocks[0], stages=stages,
+                          free=(sm.kv_free,))
 
     scratch = [buffers[name] for name in names]
     kernel = _kernel(body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=scratch,
@@ -438,11 +451,15 @@ def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geome
         batch, kv_head, wg = (lax.axis_index("batch"), lax.axis_index("head"),
                               lax.axis_index("wg"))
         tile_base = tile * (CONSUMERS * bkv)
-        # the query blocks of one head the tile visits: those its first consumer sees (under the
-        # role split both see the whole tile)
-        first_block, _ = q_blocks_for_key_tile(geo, tile_base, (CONSUMERS if split else 1) * bkv,
-                                               bq)
-        per_head = geo.padded_q // bq - first_block
+        # the query blocks of one head the tile visits: from its first consumer's first to its
+        # last consumer's end (under the role split both see the whole tile)
+        if split:
+            tile_blocks = q_blocks(geo, tile_base, CONSUMERS * bkv, bq)[::3]
+        else:
+            tile_blocks = (q_blocks(geo, tile_base, bkv, bq)[0],
+                           q_blocks(geo, tile_base + (CONSUMERS - 1) * bkv, bkv, bq)[3])
+        first_block = tile_blocks[0]
+        per_head = tile_blocks[1] - first_block
         ready = (q_ready, do_ready, lse_ready, delta_ready) + ((q_seg_ready,) if segments else ())
 
         def consumer(owner, role):
@@ -451,8 +468,8 @@ def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geome
                     delta_smem, ready, q_free, batch, kv_head, tile_base, wg, done)
             seg_refs = ((k_seg_ref, k_seg_smem2.at[owner], k_seg_ready.at[owner], q_seg_smem)
                         if segments else None)
-            _dkv_consumer(refs, seg_refs, geo=geo, tiles=tiles, first_block=first_block,
-                          per_head=per_head, in_place=not interpret, role=role)
+            _dkv_consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_blocks=tile_blocks,
+                          in_place=not interpret, role=role)
 
         @pl.when(wg < CONSUMERS)
         def _():

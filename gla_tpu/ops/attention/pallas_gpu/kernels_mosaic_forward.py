@@ -10,9 +10,12 @@ warpgroups:
 
 Outputs match the Triton forward exactly in meaning, so the Triton backward consumes them: o in
 q's dtype and the base-2 log-sum-exp lse [B, H, Tp] (0 for a row that sees no key, whose o is 0).
-Causal masking is bottom-right (key j visible to query i iff j <= i + S - T); keys at or past the
-true S are masked. With segment ids each consumer holds its rows' ids and the producer streams the
-key blocks' ids beside K and V; every block is then masked. float32 and head dims other than
+Causal masking is bottom-right (key j visible to query i iff j <= i + S - T), a local window
+bounds the keys on both sides, and keys at or past the true S are masked; the producer streams
+only the key blocks some row of the tile sees, and each consumer masks only the blocks that need
+it (blocks.py). With segment ids each consumer holds its rows' ids and the producer streams the
+key blocks' ids beside K and V; every block is then masked. A logit soft cap takes the scores
+through c tanh(s / c) (attention/scores.py). float32 and head dims other than
 64 / 128 / 256 take the Triton forward (plan.mosaic_forward_unsupported_reason).
 docs/gpu_attention.md has the design and the measurements.
 """
@@ -26,12 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu.kernels_triton import (
-    kv_blocks_for_query_tile,
-    visibility_mask,
-)
+from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, visibility_mask
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
-from gla_tpu.ops.common.base2 import LOG2_E
+from gla_tpu.ops.attention.scores import base2_scores
 from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, release_step, ring_producer
 
 
@@ -46,18 +46,18 @@ def _row_broadcast(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps,
+def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks,
               in_place: bool):
-    """seg_refs: None, or (q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready) with
-    segment ids."""
+    """tile_blocks: the key blocks [first, end) the producer streams (slot (block - first) mod
+    stages). seg_refs: None, or (q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready)
+    with segment ids."""
     (q_ref, o_ref, lse_ref, qo_smem, lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
      k_free, v_free, turn, batch, head, tile_base, wg) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
     dtype = q_ref.dtype
-    scale2 = geo.sm_scale * LOG2_E  # logits in base 2: p = exp2(s * scale2 - m)
     check_len = geo.kv_len != geo.padded_kv
     q_base = tile_base + wg * bq
-    full, hi = kv_blocks_for_query_tile(geo, q_base, bq, bkv)
+    tile_first, tile_end = tile_blocks
 
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_ready)
     if seg_refs is not None:
@@ -74,7 +74,7 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps,
     acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
     def slot_of(step):
-        return lax.rem(step, jnp.int32(tiles.stages))
+        return lax.rem(step - tile_first, jnp.int32(tiles.stages))
 
     def step_fn(masked: bool, step, carry):
         acc, m, l = carry
@@ -88,7 +88,7 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps,
 
         s = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        s = s * scale2
+        s, _ = base2_scores(s, geo.sm_scale, geo.soft_cap)  # base 2: p = exp2(s - m)
         if masked:
             q_pos = q_base + plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0,
                                                     layout=plgpu.Layout.WGMMA)
@@ -138,29 +138,34 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps,
         return carry
 
     pl.when(wg == 1)(lambda: _take_turn(turn))  # consumer 1 starts one turn behind consumer 0
-    carry = lax.fori_loop(0, full, lambda i, c: step_fn(False, i, c), (acc, m, l))
-    acc, m, l = lax.fori_loop(full, hi, lambda i, c: step_fn(True, i, c), carry)
-    lax.fori_loop(hi, tile_steps, release_only, None)
+    lo, full_lo, full_hi, hi = kv_blocks(geo, q_base, bq, bkv)
+    lax.fori_loop(tile_first, lo, release_only, None)  # blocks only the other consumer needs
+    carry = lax.fori_loop(lo, full_lo, lambda i, c: step_fn(True, i, c), (acc, m, l))
+    carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step_fn(False, i, c), carry)
+    acc, m, l = lax.fori_loop(full_hi, hi, lambda i, c: step_fn(True, i, c), carry)
+    lax.fori_loop(hi, tile_end, release_only, None)
     pl.when(wg == 0)(lambda: _take_turn(turn))
 
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     o = acc * _row_broadcast(1.0 / l_safe, acc.shape)
     qo_smem[...] = o.astype(dtype)
-    lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), 0.0)
+    lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), geo.empty_row_lse)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[batch, pl.ds(q_base, bq), head])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _producer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps):
+def _producer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks):
     """seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready) with segment ids."""
     (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head) = refs
     bkv = tiles.block_kv
     kv_head = lax.div(head, jnp.int32(geo.group))
+    tile_first, tile_end = tile_blocks
 
     def load(step, slot):
+        step = tile_first + step  # the key block
         rows = (batch, pl.ds(step * bkv, bkv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
@@ -169,7 +174,7 @@ def _producer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_steps)
             plgpu.copy_gmem_to_smem(k_seg_ref.at[batch, pl.ds(step * bkv, bkv)],
                                     k_seg_smem.at[slot], k_seg_ready.at[slot])
 
-    ring_producer(load, steps=tile_steps, stages=tiles.stages, free=(k_free, v_free))
+    ring_producer(load, steps=tile_end - tile_first, stages=tiles.stages, free=(k_free, v_free))
 
 
 def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTiles,
@@ -201,8 +206,9 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
             tile = n_tiles - 1 - tile
         batch, head, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
         tile_base = tile * tiles.query_multiple
-        # steps of the tile = those of its last consumer, which sees the most keys
-        _, tile_steps = kv_blocks_for_query_tile(geo, tile_base + bq, bq, bkv)
+        # the key blocks of the tile: from its first consumer's first to its last consumer's end
+        tile_blocks = (kv_blocks(geo, tile_base, bq, bkv)[0],
+                       kv_blocks(geo, tile_base + bq, bq, bkv)[3])
 
         @pl.when(wg < CONSUMERS)
         def _():
@@ -212,7 +218,7 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
                     tile_base, wg)
             seg_refs = ((q_seg_ref, q_seg_smem2.at[wg], q_seg_ready.at[wg], k_seg_smem,
                          k_seg_ready) if segments else None)
-            _consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_steps=tile_steps,
+            _consumer(refs, seg_refs, geo=geo, tiles=tiles, tile_blocks=tile_blocks,
                       in_place=not interpret)
 
         @pl.when(wg == CONSUMERS)
@@ -220,7 +226,7 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
             plgpu.set_max_registers(40, action="decrease")
             refs = (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head)
             seg_refs = (k_seg_ref, k_seg_smem, k_seg_ready) if segments else None
-            _producer(refs, seg_refs, geo=geo, tiles=tiles, tile_steps=tile_steps)
+            _producer(refs, seg_refs, geo=geo, tiles=tiles, tile_blocks=tile_blocks)
 
     scratch = [
         plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=SWIZZLED),  # q, then o

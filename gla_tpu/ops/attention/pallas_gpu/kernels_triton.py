@@ -6,8 +6,8 @@ Three kernels, none of which knows about autodiff (vjp.py wires them with custom
 - dq: one program per (query block, batch, head); recomputes p from lse.
 - dkv: one program per (key block, batch, kv head); loops over the query heads of its GQA group
   and over query blocks, so dk, dv of a kv head are summed in registers, never in memory.
-Causal skipping lives in the loop bounds: every loop runs over the blocks a tile can see, split in
-a range that needs no mask (all pairs visible) and a range that is masked.
+Causal and window skipping live in the loop bounds (blocks.py): every loop runs over the blocks a
+tile can see, split in ranges that need no mask (all pairs visible) and ranges that are masked.
 
 Inputs arrive padded (entry.py) so T and S are multiples of every block size; `kv_len` is
 the true S and keys at or past it are masked where they could reach an output.
@@ -23,63 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask
 from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
-from gla_tpu.ops.common.base2 import LOG2_E
+from gla_tpu.ops.attention.scores import base2_scores
 from gla_tpu.ops.common.products import HIGHEST, product
-from gla_tpu.ops.common.masks import attention_visibility
 
-
-
-def _cdiv_nonneg(x, d: int):
-    return lax.div(jnp.maximum(x, 0) + (d - 1), d)
-
-
-def _div_nonneg(x, d: int):
-    return lax.div(jnp.maximum(x, 0), d)
-
-
-def visibility_mask(geo: Geometry, q_pos, k_pos, q_seg, k_seg, *, check_len: bool):
-    """Visibility of broadcastable positions (rank 2 each); None when everything is visible."""
-    mask = None
-    if geo.causal or q_seg is not None:
-        mask = attention_visibility(q_pos, k_pos, causal=geo.causal, offset=geo.offset,
-                                    q_seg=q_seg, kv_seg=k_seg)
-    if check_len:
-        in_range = k_pos < geo.kv_len
-        mask = in_range if mask is None else jnp.logical_and(mask, in_range)
-    return mask
-
-
-def kv_blocks_for_query_tile(geo: Geometry, q_start, block_q: int, block_kv: int):
-    """(full, hi): key blocks [0, full) are visible to every query of the tile, [full, hi) partly."""
-    n_kv = geo.padded_kv // block_kv
-    n_unpadded = geo.kv_len // block_kv
-    if geo.causal:
-        # the tile's last query sees keys j <= q_start + block_q - 1 + offset
-        hi = jnp.minimum(_cdiv_nonneg(q_start + block_q + geo.offset, block_kv), n_kv)
-        # a block is fully visible when its last key <= the tile's first query + offset
-        full = jnp.minimum(_div_nonneg(q_start + geo.offset + 1, block_kv), n_unpadded)
-    else:
-        hi = jnp.int32(n_kv)
-        full = jnp.int32(n_unpadded)
-    if geo.has_segments:
-        full = jnp.int32(0)
-    return jnp.minimum(full, hi), hi
-
-
-def q_blocks_for_key_tile(geo: Geometry, k_start, block_kv: int, block_q: int):
-    """(lo, full): query blocks [lo, full) see the key tile partly, [full, n_q) entirely."""
-    n_q = geo.padded_q // block_q
-    if geo.causal:
-        # the first query that sees key k_start is i = k_start - offset
-        lo = jnp.minimum(_div_nonneg(k_start - geo.offset, block_q), n_q)
-        full = jnp.minimum(_cdiv_nonneg(k_start + block_kv - 1 - geo.offset, block_q), n_q)
-    else:
-        lo = jnp.int32(0)
-        full = jnp.int32(0)
-    if geo.has_segments:
-        full = jnp.int32(n_q)
-    return lo, jnp.maximum(full, lo)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, geo: Geometry,
@@ -88,14 +36,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
     q = q_ref[...]  # [block_q, D]
     q_pos = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]  # [block_q, 1]
     q_seg = qseg_ref[...][:, None] if geo.has_segments else None
-    scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
 
     def body(masked, kb, carry):
         acc, m, l = carry  # [block_q, D], [block_q], [block_q]
         kv_slice = pl.ds(kb * block_kv, block_kv)
         k = k_ref[kv_slice, :]
-        s = product(q, k, "nt", HIGHEST) * scale2  # [block_q, block_kv], base-2 logits
+        # [block_q, block_kv], base-2 logits
+        s, _ = base2_scores(product(q, k, "nt", HIGHEST), geo.sm_scale, geo.soft_cap)
         if masked:
             k_pos = (kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :]
             k_seg = kseg_ref[kv_slice][None, :] if geo.has_segments else None
@@ -111,15 +59,22 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
         acc = alpha[:, None] * acc + product(p.astype(v.dtype), v, "nn", HIGHEST)
         return acc, m_new, l
 
-    full, hi = kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    carry = lax.fori_loop(0, full, functools.partial(body, False), carry)
-    acc, m, l = lax.fori_loop(full, hi, functools.partial(body, True), carry)
+    acc, m, l = _over_ranges(kv_blocks(geo, q_start, block_q, block_kv), body, carry)
     seen = l > 0.0
     o = acc / jnp.where(seen, l, 1.0)[:, None]
     o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), 0.0)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), geo.empty_row_lse)
+
+
+def _over_ranges(bounds, body, carry):
+    """body(masked, block, carry) over the blocks (lo, full_lo, full_hi, hi) of blocks.py: masked,
+    then mask-free, then masked."""
+    lo, full_lo, full_hi, hi = bounds
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
 
 
 def _row_positions(geo: Geometry, block_index, block: int, seg_ref, tile):
@@ -129,17 +84,20 @@ def _row_positions(geo: Geometry, block_index, block: int, seg_ref, tile):
     return pos, (seg_ref[tile][None, :] if geo.has_segments else None)
 
 
-def _probabilities(rows, cols, lse, scale2, vis):
-    """The backward's recomputed softmax, p = exp2(rows cols^T * scale2 - lse), zero where `vis`
-    (None: everything visible) is False: [rows, cols] float32. dq takes q rows and k columns,
-    dk/dv the transpose."""
-    p = jnp.exp2(product(rows, cols, "nt", HIGHEST) * scale2 - lse)
-    return p if vis is None else jnp.where(vis, p, 0.0)
+def _probabilities(geo: Geometry, rows, cols, lse, vis):
+    """The backward's recomputed softmax, p = exp2(s2 - lse) with s2 the base-2 scores of
+    rows cols^T, zero where `vis` (None: everything visible) is False: ([rows, cols] float32, the
+    soft cap's derivative or None). dq takes q rows and k columns, dk/dv the transpose."""
+    s2, cap_grad = base2_scores(product(rows, cols, "nt", HIGHEST), geo.sm_scale, geo.soft_cap)
+    p = jnp.exp2(s2 - lse)
+    return (p if vis is None else jnp.where(vis, p, 0.0)), cap_grad
 
 
-def _score_grad(p, d_rows, d_cols, delta):
-    """ds = p * (d_rows d_cols^T - delta): the gradient of the scores, oriented like p."""
-    return p * (product(d_rows, d_cols, "nt", HIGHEST) - delta)
+def _score_grad(p, cap_grad, d_rows, d_cols, delta):
+    """ds = p * (d_rows d_cols^T - delta) (times the soft cap's derivative): the gradient of
+    sm_scale q k^T, oriented like p."""
+    ds = p * (product(d_rows, d_cols, "nt", HIGHEST) - delta)
+    return ds if cap_grad is None else ds * cap_grad
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
@@ -151,7 +109,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
     delta = delta_ref[...][:, None]
     q_pos = (q_start + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = qseg_ref[...][:, None] if geo.has_segments else None
-    scale2 = geo.sm_scale * LOG2_E
     check_len = geo.kv_len != geo.padded_kv
 
     def body(masked, kb, dq):
@@ -162,14 +119,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         if masked:
             k_pos, k_seg = _row_positions(geo, kb, block_kv, kseg_ref, kv_slice)
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=check_len)
-        p = _probabilities(q, k, lse, scale2, vis)  # [block_q, block_kv]
-        ds = _score_grad(p, do, v, delta)
+        p, cap_grad = _probabilities(geo, q, k, lse, vis)  # [block_q, block_kv]
+        ds = _score_grad(p, cap_grad, do, v, delta)
         return dq + product(ds.astype(k.dtype), k, "nn", HIGHEST)
 
-    full, hi = kv_blocks_for_query_tile(geo, q_start, block_q, block_kv)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dq = lax.fori_loop(0, full, functools.partial(body, False), dq)
-    dq = lax.fori_loop(full, hi, functools.partial(body, True), dq)
+    dq = _over_ranges(kv_blocks(geo, q_start, block_q, block_kv), body,
+                      jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * geo.sm_scale).astype(dq_ref.dtype)
 
 
@@ -180,8 +135,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
     v = v_ref[...]
     k_pos = (k_start + jnp.arange(block_kv, dtype=jnp.int32))[:, None]  # [block_kv, 1]
     k_seg = kseg_ref[...][:, None] if geo.has_segments else None
-    scale2 = geo.sm_scale * LOG2_E
-    n_q = geo.padded_q // block_q
 
     def body(masked, g, qb, carry):
         dk, dv = carry
@@ -195,17 +148,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
             q_pos, q_seg = _row_positions(geo, qb, block_q, qseg_ref, q_slice)
             # keys past kv_len only produce rows of dk, dv that are sliced away: no length check
             vis = visibility_mask(geo, q_pos, k_pos, q_seg, k_seg, check_len=False)
-        pt = _probabilities(k, q, lse, scale2, vis)  # [block_kv, block_q]
+        pt, cap_grad = _probabilities(geo, k, q, lse, vis)  # [block_kv, block_q]
         dv = dv + product(pt.astype(do.dtype), do, "nn", HIGHEST)
-        dst = _score_grad(pt, v, do, delta)
+        dst = _score_grad(pt, cap_grad, v, do, delta)
         dk = dk + product(dst.astype(q.dtype), q, "nn", HIGHEST)
         return dk, dv
 
-    lo, full = q_blocks_for_key_tile(geo, k_start, block_kv, block_q)
+    bounds = q_blocks(geo, k_start, block_kv, block_q)
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for g in range(geo.group):
-        carry = lax.fori_loop(lo, full, functools.partial(body, True, g), carry)
-        carry = lax.fori_loop(full, n_q, functools.partial(body, False, g), carry)
+        carry = _over_ranges(bounds, lambda masked, qb, c, g=g: body(masked, g, qb, c), carry)
     dk, dv = carry
     dk_ref[...] = (dk * geo.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)

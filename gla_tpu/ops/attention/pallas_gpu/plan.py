@@ -12,6 +12,7 @@ import typing
 import jax.numpy as jnp
 
 from gla_tpu.ops.common.backends import mosaic_gpu_selected
+from gla_tpu.ops.common.masks import window_bounds
 
 CONSUMERS = 2  # consumer warpgroups per block
 SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
@@ -180,6 +181,17 @@ class Geometry:
     offset: int  # bottom-right causal shift, S - T
     sm_scale: float
     has_segments: bool
+    # (left, right) local window (AttentionProblem.window; a ring block's sides may be negative)
+    window: tuple[int | None, int | None] | None = None
+    soft_cap: float | None = None  # logits soft cap c: scores c * tanh(s / c)
+    # the base-2 lse the forwards write for a row that sees no key: 0 for the op (its o is 0 and
+    # its gradients vanish either way), -inf for a ring block (the merge then gives it no weight)
+    empty_row_lse: float = 0.0
+
+    @property
+    def reach(self) -> tuple[int | None, int | None]:
+        """(left, right) key reach around a row's aligned position; None: unbounded."""
+        return window_bounds(self.window, self.causal)
 
 
 FORWARD_KERNELS = ("auto", "mosaic_gpu", "triton")
