@@ -459,11 +459,13 @@ def test_gpu_triton_parity_dtypes(dtype, head_dim):
 
 
 # Ring attention (T split over 2 GPUs): the Mosaic GPU forward, with and without segments (not
-# causal, where a row can see no key of a block), under the pass rule.
+# causal, where a row can see no key of a block) and under a window, under the pass rule.
 RING_GPU_CASES = [
     AttentionCase(1, 8192, 8192, 8, 2, 128, causal=True),
     AttentionCase(2, 2048, 2048, 4, 4, 64, causal=True, segments="shared"),
     AttentionCase(1, 2048, 2048, 4, 2, 128, causal=False, segments="shared"),
+    # a window narrower than a block: block-local windows with negative sides, rows with no key
+    AttentionCase(1, 8192, 8192, 8, 2, 128, causal=True, window=(1500, 0), soft_cap=2.0),
 ]
 
 

@@ -43,3 +43,26 @@ def chunk_local_cumsum(g, chunk_size: int, *, method: str = "cumsum"):
         raise ValueError(f"method must be 'cumsum' or 'triangular'; got {method!r}.")
     gc = g.astype(jnp.float32).reshape((b, t // chunk_size, chunk_size) + g.shape[2:])
     return jnp.cumsum(gc, axis=2).reshape(g.shape)
+
+
+def reverse_exclusive_cumsum(x, block: int = 64):
+    """y[:, t] = sum over s > t of x[:, s] (axis 1), in float32, as products with triangular
+    matrices of ones: within blocks of `block` entries, then, recursively, over the blocks'
+    totals. XLA's cumulative sum over a long axis is slower on GPUs than these products (the
+    "triangular" method above). Summed from the end: the sums that reach few entries are the
+    small ones, which float32 keeps to its rounding.
+
+    x: [B, N, ...]; any N (padded with zeros to a multiple of `block` inside)."""
+    x = x.astype(jnp.float32)
+    b, n = x.shape[0], x.shape[1]
+    if n <= block:
+        upper = jnp.triu(jnp.ones((n, n), jnp.float32), k=1)  # [t, s]: 1 where s > t
+        return jnp.einsum("ts,bs...->bt...", upper, x, precision=jax.lax.Precision.HIGHEST)
+    m = -(-n // block)
+    padded = jnp.pad(x, [(0, 0), (0, m * block - n)] + [(0, 0)] * (x.ndim - 2))
+    blocks = padded.reshape((b, m, block) + x.shape[2:])
+    upper = jnp.triu(jnp.ones((block, block), jnp.float32), k=1)
+    within = jnp.einsum("ts,bms...->bmt...", upper, blocks, precision=jax.lax.Precision.HIGHEST)
+    later = reverse_exclusive_cumsum(jnp.sum(blocks, axis=2), block)  # [B, m, ...]
+    y = within + later[:, :, None]
+    return y.reshape((b, m * block) + x.shape[2:])[:, :n]

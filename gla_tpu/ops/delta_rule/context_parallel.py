@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from gla_tpu.ops.common.context_parallel import block_enters, entering_state
 from gla_tpu.ops.common.sharding import MeshLayout
 from gla_tpu.ops.delta_rule.validation import state_dtype
 
@@ -44,32 +45,23 @@ def local_pass(run_local, layout: MeshLayout):
     def local(q, k, v, beta, g, initial_state, segment_ids):
         b, n, _, kd = q.shape
         hv, vd = v.shape[2], v.shape[3]
-        p = lax.axis_index(axes)
         sd = state_dtype(q.dtype)
         _, from_zero = run_local(q, k, v, beta, g, None, segment_ids, True)  # [B, HV, K, V]
         identity = jnp.broadcast_to(jnp.eye(kd, dtype=sd), (b, hv, kd, kd))
         no_values = jnp.zeros((b, n, hv, kd), v.dtype)
         _, transition = run_local(q, k, no_values, beta, g, identity, segment_ids,
                                   True)  # [B, HV, K, K]
-        if segment_ids is None:
-            enters = jnp.ones((b,), bool)
-        else:
-            last_ids = lax.all_gather(segment_ids[:, -1], axes)  # [P, B]
-            # the block's first token continues the segment the previous block ended in
-            enters = jnp.logical_or(p == 0, segment_ids[:, 0] == last_ids[jnp.maximum(p - 1, 0)])
-        states = lax.all_gather(from_zero.astype(sd), axes)  # [P, B, HV, K, V]
         transitions = lax.all_gather(transition.astype(sd), axes)  # [P, B, HV, K, K]
-        entering_flags = lax.all_gather(enters, axes)  # [P, B]
-        state = (jnp.zeros((b, hv, kd, vd), sd) if initial_state is None
-                 else initial_state.astype(sd))
-        entering = []
-        for j in range(blocks):
-            state = jnp.where(entering_flags[j][:, None, None, None], state, 0.0)
-            entering.append(state)
-            state = jnp.einsum("bhij,bhjv->bhiv", transitions[j], state,
-                               precision=lax.Precision.HIGHEST) + states[j]
-        enter = jnp.stack(entering)[p]  # [B, HV, K, V], zero where the block does not continue
+
+        def carry(j, state):  # through block j
+            return jnp.einsum("bhij,bhjv->bhiv", transitions[j], state,
+                              precision=lax.Precision.HIGHEST)
+
+        initial = (jnp.zeros((b, hv, kd, vd), sd) if initial_state is None
+                   else initial_state.astype(sd))
+        enter, final = entering_state(initial, from_zero.astype(sd), carry,
+                                      block_enters(segment_ids, axes, b), axes, blocks)
         o, _ = run_local(q, k, v, beta, g, enter, segment_ids, False)
-        return o, state[None]
+        return o, final[None]
 
     return local

@@ -120,7 +120,7 @@ def gla(
     # Context parallelism: initial_state is read on every time shard, so its gradient is summed
     # over them; the final state comes out once per time shard and the last one's is returned.
     o, finals = sharded_call(
-        context_parallel.local_pass(run_local, layout, problem.scale), layout, args, in_specs,
+        context_parallel.local_pass(run_local, layout), layout, args, in_specs,
         (spec, layout.spec("time", "batch", "heads", None, None)),
         grad_psum_axes=((), (), (), (), layout.time_axes, ()))
     if not output_final_state:

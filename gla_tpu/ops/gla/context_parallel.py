@@ -1,18 +1,19 @@
 """Context-parallel GLA: the time axis split over mesh axes (docs/scale_out.md derives it).
 
 Per device p, on its block of n = T / P tokens (inside `jax.shard_map`):
-1. the single-device op from a zero state gives the block's outputs o' and final state S_p;
-2. the block's total log decay d_p = sum_t g_t [B, H, K], and whether the carried state crosses
-   the block (no segment starts in it, its first token included);
-3. all-gather of (S_p, d_p, crosses_p) over the time axes, in float32: P x B x H x (K V + K)
-   values per device, whatever T is;
-4. the exclusive scan E_0 = initial_state, E_{j+1} = [crosses_j] exp(d_j) E_j + S_j gives each
-   device its entering state E_p and every device the final state E_P;
-5. the outputs take what E_p adds: o = o' + scale (q exp(b)) E_p for the tokens the entering
-   state reaches (those before the block's first segment start), b the running sum of g inside
-   the block (every exponent <= 0), in float32 and rounded once to the output dtype.
-Autodiff runs through it all (`common/sharding.sharded_call` takes `jax.vjp` of this function per
-device): the all-gathers transpose to reduce-scatters, the scan to the reversed scan.
+1. the block's final state from a zero state, S_p = sum_t exp(sum_{s > t} g_s) k_t^T v_t over the
+   tokens after the block's last segment start: one [K, n] x [n, V] product per head on the
+   tensor cores (float32 accumulation), and its total log decay d_p = sum_t g_t [B, H, K];
+2. all-gather of (S_p, d_p, flags) over the time axes: P x B x H x (K V + K) float32 values per
+   device, whatever T is;
+3. the exclusive scan E_0 = initial_state, E_{j+1} = [no segment starts inside block j]
+   exp(d_j) [block j enters] E_j + S_j gives each device its entering state E_p and every device
+   the final state E_P;
+4. the single-device op from E_p (zero where the block's first token starts a new segment) gives
+   the outputs, on whichever kernels the backend has.
+One pass of the op per device, plus step 1's product. Autodiff runs through it all
+(`common/sharding.sharded_call` takes `jax.vjp` of this function per device): the op's own
+backward gives d E_p, the all-gathers transpose to reduce-scatters, the scan runs reversed.
 """
 
 from __future__ import annotations
@@ -20,17 +21,58 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from gla_tpu.ops.common.chunk_cumsum import reverse_exclusive_cumsum
+from gla_tpu.ops.common.context_parallel import block_enters, entering_state
+from gla_tpu.ops.common.gates import floor_log_gates
 from gla_tpu.ops.common.sharding import MeshLayout
 
 
-def local_pass(run_local, layout: MeshLayout, scale: float):
+def _state_dtype(dtype):
+    return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
+def zero_state_of_block(k, v, g, segment_ids):
+    """(S [B, H, K, V], d [B, H, K], keeps [B]): the block's final state from a zero state, its
+    total log decay, and whether no segment starts inside it after its first token.
+
+    k [B, n, H, K], v [B, n, H, V] in the inputs' dtype; g None, [B, n, H] or [B, n, H, K],
+    floored (common/gates.py)."""
+    b, n, h, kd = k.shape
+    sd = _state_dtype(k.dtype)
+    if g is None:
+        to_end = jnp.zeros((b, n, h, 1), sd)
+        total = jnp.zeros((b, h, kd), sd)
+    else:
+        g = g.astype(sd)
+        g = g[..., None] if g.ndim == 3 else g  # [B, n, H, K or 1]
+        to_end = reverse_exclusive_cumsum(g).astype(sd)  # [B, n, H, K or 1], every entry <= 0
+        total = jnp.broadcast_to(jnp.sum(g, axis=1), (b, h, kd))
+    weight = jnp.exp(to_end)
+    keeps = jnp.ones((b,), bool)
+    if segment_ids is not None:
+        starts = segment_ids[:, 1:] != segment_ids[:, :-1]  # [B, n - 1]: a start at token t + 1
+        # token t reaches the block's end iff no segment starts after it
+        later = jnp.flip(jnp.cumsum(jnp.flip(starts.astype(jnp.int32), 1), axis=1), 1)
+        reaches = jnp.concatenate([later == 0, jnp.ones((b, 1), bool)], axis=1)  # [B, n]
+        weight = weight * reaches[:, :, None, None]
+        keeps = jnp.logical_not(jnp.any(starts, axis=1))
+    decayed = k.astype(sd) * weight  # [B, n, H, K]
+    if jnp.dtype(k.dtype).itemsize == 2:  # the tensor cores' operands, float32 accumulation
+        state = jnp.einsum("bthk,bthv->bhkv", decayed.astype(k.dtype), v,
+                           preferred_element_type=sd)
+    else:
+        state = jnp.einsum("bthk,bthv->bhkv", decayed, v.astype(sd),
+                           precision=lax.Precision.HIGHEST)
+    return state, total, keeps
+
+
+def local_pass(run_local, layout: MeshLayout):
     """The per-device function of a context-parallel call.
 
     Args:
       run_local: (q, k, v, g, initial_state, segment_ids, output_final_state) -> (o, final) on
         one device's block, the single-device op.
       layout: the mesh layout; layout.time_axes split T.
-      scale: the op's output scale.
     Returns:
       local(q, k, v, g, initial_state, segment_ids) -> (o [B, n, H, V], final [1, B, H, K, V]
       float32: every device's copy of the final state, on a leading axis over the time axes).
@@ -38,45 +80,22 @@ def local_pass(run_local, layout: MeshLayout, scale: float):
     axes, blocks = layout.time_axes, layout.time_shards
 
     def local(q, k, v, g, initial_state, segment_ids):
-        b, n, h, kd = q.shape
+        b, _, h, kd = q.shape
         vd = v.shape[-1]
-        p = lax.axis_index(axes)
-        o_block, block_state = run_local(q, k, v, g, None, segment_ids, True)
-        if g is None:
-            running = jnp.zeros((b, n, h, kd), jnp.float32)
-        else:
-            running = jnp.cumsum(g.astype(jnp.float32), axis=1)  # [B, n, H, K] or [B, n, H]
-            if g.ndim == 3:
-                running = jnp.broadcast_to(running[..., None], (b, n, h, kd))
-        decay = running[:, -1]  # [B, H, K]
-        if segment_ids is None:
-            enters = crosses = jnp.ones((b,), bool)
-            reach = jnp.ones((b, n), bool)
-        else:
-            last_ids = lax.all_gather(segment_ids[:, -1], axes)  # [P, B]
-            previous_last = last_ids[jnp.maximum(p - 1, 0)]
-            # the block's first token continues the segment the previous block ended in
-            enters = jnp.logical_or(p == 0, segment_ids[:, 0] == previous_last)
-            starts = jnp.concatenate(
-                [jnp.logical_not(enters)[:, None], segment_ids[:, 1:] != segment_ids[:, :-1]],
-                axis=1)  # [B, n] a segment starts at the token
-            reach = jnp.cumsum(starts.astype(jnp.int32), axis=1) == 0
-            crosses = reach[:, -1]
-        states = lax.all_gather(block_state, axes)  # [P, B, H, K, V]
+        sd = _state_dtype(q.dtype)
+        block_state, decay, keeps = zero_state_of_block(k, v, floor_log_gates(g), segment_ids)
         decays = lax.all_gather(decay, axes)  # [P, B, H, K]
-        crossing = lax.all_gather(crosses, axes)  # [P, B]
-        state = (jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None
-                 else initial_state.astype(jnp.float32))
-        entering = []
-        for j in range(blocks):
-            entering.append(state)
-            carried = jnp.exp(decays[j])[..., None] * state
-            state = jnp.where(crossing[j][:, None, None, None], carried, 0.0) + states[j]
-        enter = jnp.stack(entering)[p]  # [B, H, K, V]
-        q_decayed = q.astype(jnp.float32) * jnp.exp(running) * reach[:, :, None, None]
-        carried_out = jnp.einsum("bthk,bhkv->bthv", q_decayed, enter,
-                                 precision=lax.Precision.HIGHEST)
-        o = (o_block.astype(jnp.float32) + scale * carried_out).astype(o_block.dtype)
-        return o, state[None]
+        keeping = lax.all_gather(keeps, axes)  # [P, B]
+
+        def carry(j, state):  # through block j: its decay, or nothing after a segment start
+            kept = jnp.exp(decays[j])[..., None] * state
+            return jnp.where(keeping[j][:, None, None, None], kept, 0.0)
+
+        initial = (jnp.zeros((b, h, kd, vd), sd) if initial_state is None
+                   else initial_state.astype(sd))
+        enter, final = entering_state(initial, block_state, carry,
+                                      block_enters(segment_ids, axes, b), axes, blocks)
+        o, _ = run_local(q, k, v, g, enter, segment_ids, False)
+        return o, final[None]
 
     return local
