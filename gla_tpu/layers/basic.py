@@ -51,6 +51,31 @@ def rms_norm(params, x, *, eps: float = 1e-5):
     return (x32 * inv * broadcast_last(params["scale"], x.ndim)).astype(x.dtype)
 
 
+GATE_ACTIVATIONS = {"swish": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
+
+
+def gated_rms_norm(params, o, gate, *, activation: str = "swish", eps: float = 1e-5):
+    """rms_norm(o) * activation(gate) in float32 (fla's FusedRMSNormGated), in o's dtype.
+
+    Args:
+      params: {"scale": [D]} from `rms_norm_init(D)`.
+      o: [..., D], e.g. a head's output [B, T, H, D]; the norm runs over the last axis.
+      gate: None (no gate: rms_norm only) or an array of o's shape, any float dtype.
+      activation: "swish" (x * sigmoid(x)) or "sigmoid".
+    Returns:
+      [..., D] in o's dtype.
+    """
+    y = rms_norm(params, o.astype(jnp.float32), eps=eps)
+    if gate is not None:
+        y = y * GATE_ACTIVATIONS[activation](gate.astype(jnp.float32))
+    return y.astype(o.dtype)
+
+
+def repeat_heads(x, repeats: int):
+    """[B, T, Hkv, D] -> [B, T, Hkv * repeats, D]: head i of the result is head i // repeats."""
+    return x if repeats == 1 else jnp.repeat(x, repeats, axis=2)
+
+
 def rotary(x, positions, *, base: float = 10000.0):
     """Rotary position embedding (half-split pairs: dim i rotates with dim i + D/2).
 

@@ -1,6 +1,13 @@
-"""Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)); the attention kind is a
-config field: "softmax" (multi_head_attention), "gla", "simple_gla" or "linear"
-(gated_linear_attention with a per-key, per-head or no gate)."""
+"""Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)). The attention kind is a
+config field:
+  "softmax"         multi_head_attention (GQA, RoPE, optional sliding window and soft cap)
+  "gla", "simple_gla", "linear"   gated_linear_attention with a per-key, per-head or no gate
+  "gated_deltanet"  gated_deltanet (per-head decay)
+  "kda"             kda (per-key decay)
+  "deltanet"        deltanet (no decay)
+Fields that the chosen kind does not use are ignored; `None` for expand_k, expand_v and
+use_short_conv means the layer's own default (fla's).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +16,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gla_tpu.layers import deltanet, gated_deltanet, kda, mlp
 from gla_tpu.layers import gated_linear_attention as gla_layer
-from gla_tpu.layers import mlp
 from gla_tpu.layers import multi_head_attention as mha
 from gla_tpu.layers.basic import check_positive, rms_norm, rms_norm_init
 from gla_tpu.ops.common import validation as checks
 from gla_tpu.ops.common.backends import BACKENDS
 
-ATTENTION_KINDS = ("softmax", "gla", "simple_gla", "linear")
+ATTENTION_KINDS = ("softmax", "gla", "simple_gla", "linear", "gated_deltanet", "kda", "deltanet")
 _GATES = {"gla": "key", "simple_gla": "head", "linear": "none"}
+_MODULES = {"softmax": mha, "gla": gla_layer, "simple_gla": gla_layer, "linear": gla_layer,
+            "gated_deltanet": gated_deltanet, "kda": kda, "deltanet": deltanet}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,16 +37,28 @@ class Config:
     mlp_hidden: int | None = None  # default mlp.default_hidden(d_model)
     norm_eps: float = 1e-5
     backend: str = "auto"
-    # softmax only
+    # softmax, and the k, v heads of the gla kinds
     num_kv_heads: int | None = None
+    # softmax only
     rope_base: float | None = 10000.0
-    # linear kinds only (fla's GLA defaults)
-    expand_k: float = 0.5
-    expand_v: float = 1.0
+    window: int | None = None  # sliding window: the last `window` keys, the query's own included
+    logits_soft_cap: float | None = None
+    # softmax, gated_deltanet, kda: the head dim (None: d_model // num_heads)
+    head_dim: int | None = None
+    # recurrent kinds (None: the layer's default; gla kinds expand_k 0.5, expand_v 1;
+    # deltanet 1, 1; gated_deltanet expand_v 2; kda expand_v 1)
+    expand_k: float | None = None  # gla kinds, deltanet
+    expand_v: float | None = None
+    use_short_conv: bool | None = None  # None: off for the gla kinds, on for the delta rule
+    conv_size: int = 4
+    mode: str = "auto"
+    # gla kinds only (fla's GLA defaults)
     gate_logit_normalizer: float = 16.0
     clamp_min: float | None = None
     feature_map: str | None = None
-    mode: str = "auto"
+    # delta-rule kinds
+    num_v_heads: int | None = None  # gated_deltanet, kda: value heads (GVA), default num_heads
+    allow_neg_eigval: bool = False
 
     def __post_init__(self):
         check_positive("d_model", self.d_model)
@@ -47,24 +68,39 @@ class Config:
         self.attention_config()
         self.mlp_config()
 
-    def attention_config(self) -> mha.Config | gla_layer.Config:
-        if self.attention == "softmax":
+    def attention_config(self):
+        """The attention layer's Config (mha, gated_linear_attention, gated_deltanet, kda or
+        deltanet)."""
+        kind = self.attention
+        if kind == "softmax":
             return mha.Config(d_model=self.d_model, num_heads=self.num_heads,
-                              num_kv_heads=self.num_kv_heads, rope_base=self.rope_base,
-                              backend=self.backend)
-        return gla_layer.Config(
-            d_model=self.d_model, num_heads=self.num_heads, expand_k=self.expand_k,
-            expand_v=self.expand_v, gate=_GATES[self.attention],
-            gate_logit_normalizer=self.gate_logit_normalizer, clamp_min=self.clamp_min,
-            feature_map=self.feature_map, norm_eps=self.norm_eps, mode=self.mode,
-            backend=self.backend,
-        )
+                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                              rope_base=self.rope_base, window=self.window,
+                              logits_soft_cap=self.logits_soft_cap, backend=self.backend)
+        common = dict(d_model=self.d_model, num_heads=self.num_heads, norm_eps=self.norm_eps,
+                      mode=self.mode, backend=self.backend, conv_size=self.conv_size,
+                      **_given(expand_v=self.expand_v, use_short_conv=self.use_short_conv))
+        if kind in _GATES:
+            return gla_layer.Config(
+                num_kv_heads=self.num_kv_heads, gate=_GATES[kind],
+                gate_logit_normalizer=self.gate_logit_normalizer, clamp_min=self.clamp_min,
+                feature_map=self.feature_map, **_given(expand_k=self.expand_k), **common)
+        common["allow_neg_eigval"] = self.allow_neg_eigval
+        if kind == "deltanet":
+            return deltanet.Config(**_given(expand_k=self.expand_k), **common)
+        module = gated_deltanet if kind == "gated_deltanet" else kda
+        return module.Config(head_dim=self.head_dim, num_v_heads=self.num_v_heads, **common)
 
     def mlp_config(self) -> mlp.Config:
         return mlp.Config(d_model=self.d_model, hidden=self.mlp_hidden)
 
     def attention_module(self):
-        return mha if self.attention == "softmax" else gla_layer
+        return _MODULES[self.attention]
+
+
+def _given(**fields):
+    """The fields that are not None (None: leave the layer's default)."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def init(key, config: Config):
@@ -79,10 +115,12 @@ def init(key, config: Config):
 
 
 def init_state(config: Config, batch: int, max_len: int, dtype=jnp.bfloat16):
-    """The attention layer's decoding state: a KV cache (softmax) or a recurrent state."""
+    """The attention layer's decoding state: a KV cache in `dtype` for `max_len` tokens (softmax),
+    the recurrent state [B, H, K, V] float32 (gla kinds without short convolutions) or a dict
+    {"recurrent", "conv_q", "conv_k", "conv_v"} (delta-rule kinds; gla kinds with convolutions)."""
     if config.attention == "softmax":
         return mha.init_state(config.attention_config(), batch, max_len, dtype)
-    return gla_layer.init_state(config.attention_config(), batch)
+    return config.attention_module().init_state(config.attention_config(), batch)
 
 
 def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=None):

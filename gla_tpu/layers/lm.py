@@ -1,9 +1,20 @@
 """A small decoder-only language model: embedding, pre-norm blocks, final RMSNorm, tied or
 untied output head. Parameters are float32; activations run in `Config.dtype`; logits are float32.
 
-Decoding: `init_state` gives one state per layer (a KV cache for softmax layers, a [B, H, K, V]
-float32 recurrent state for the linear kinds); `apply` with a state continues from it (a prompt),
-`decode_step` feeds one token per row. Both equal the full-sequence forward.
+Layers: every layer is `block` (a block.Config), or with `layer_pattern` a cycle of kinds or block
+Configs, e.g. three Gated DeltaNet layers then one sliding-window softmax layer:
+
+    lm.Config(vocab_size=256, num_layers=8,
+              block=block.Config(d_model=256, num_heads=4, window=64),
+              layer_pattern=("gated_deltanet", "gated_deltanet", "gated_deltanet", "softmax"))
+
+Layer i is pattern[i % len(pattern)]: a kind name means `block` with that attention kind (every
+other field from `block`), a block.Config is used as it is (its d_model must be block's).
+
+Decoding: `init_state` gives one state per layer, each of its own kind (a KV cache for softmax
+layers, a [B, H, K, V] float32 recurrent state or a dict with it and the short-convolution states
+for the recurrent kinds); `apply` with a state continues from it (a prompt), `decode_step` feeds
+one token per row. Both equal the full-sequence forward.
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ class Config:
     block: block.Config
     tie_embeddings: bool = True
     dtype: str = "bfloat16"  # activations
+    # None: every layer is `block`; else a tuple of kinds (block.ATTENTION_KINDS) and/or
+    # block.Configs, repeated over the layers
+    layer_pattern: tuple[str | block.Config, ...] | None = None
 
     def __post_init__(self):
         check_positive("vocab_size", self.vocab_size)
@@ -39,10 +53,47 @@ class Config:
         if not isinstance(self.block, block.Config):
             raise ValueError(f"block must be a layers.block.Config; got {self.block!r}.")
         checks.check_choice("dtype", self.dtype, ("bfloat16", "float32", "float16", "float64"))
+        if isinstance(self.layer_pattern, list):
+            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
+        if self.layer_pattern is not None:
+            self._check_pattern()
+
+    def _check_pattern(self) -> None:
+        pattern = self.layer_pattern
+        if not isinstance(pattern, tuple) or not pattern:
+            raise ValueError("layer_pattern must be None or a non-empty tuple of attention kinds "
+                             f"{block.ATTENTION_KINDS} and/or block.Configs; got {pattern!r}.")
+        for i, entry in enumerate(pattern):
+            if isinstance(entry, block.Config):
+                if entry.d_model != self.block.d_model:
+                    raise ValueError(
+                        f"layer_pattern[{i}] has d_model={entry.d_model}; every layer must have "
+                        f"block's d_model={self.block.d_model}.")
+            elif isinstance(entry, str):
+                checks.check_choice(f"layer_pattern[{i}]", entry, block.ATTENTION_KINDS)
+                # Validates the block config of that kind (fields the kind needs).
+                dataclasses.replace(self.block, attention=entry)
+            else:
+                raise ValueError(f"layer_pattern[{i}] must be an attention kind "
+                                 f"{block.ATTENTION_KINDS} or a block.Config; got {entry!r}.")
 
     @property
     def d_model(self) -> int:
         return self.block.d_model
+
+    def block_config(self, layer: int) -> block.Config:
+        """The block.Config of layer `layer` (0-based)."""
+        if self.layer_pattern is None:
+            return self.block
+        entry = self.layer_pattern[layer % len(self.layer_pattern)]
+        if isinstance(entry, block.Config):
+            return entry
+        return dataclasses.replace(self.block, attention=entry)
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The attention kind of every layer."""
+        return tuple(self.block_config(i).attention for i in range(self.num_layers))
 
 
 def init(key, config: Config):
@@ -53,8 +104,8 @@ def init(key, config: Config):
     k_embed, k_head, k_blocks = jax.random.split(key, 3)
     params = {
         "embed": jax.random.normal(k_embed, (config.vocab_size, config.d_model), jnp.float32),
-        "blocks": [block.init(k, config.block)
-                   for k in jax.random.split(k_blocks, config.num_layers)],
+        "blocks": [block.init(k, config.block_config(i))
+                   for i, k in enumerate(jax.random.split(k_blocks, config.num_layers))],
         "final_norm": rms_norm_init(config.d_model),
     }
     if not config.tie_embeddings:
@@ -63,9 +114,10 @@ def init(key, config: Config):
 
 
 def init_state(config: Config, batch: int, max_len: int):
-    """A list of per-layer decoding states for `batch` rows and up to `max_len` tokens."""
-    return [block.init_state(config.block, batch, max_len, jnp.dtype(config.dtype))
-            for _ in range(config.num_layers)]
+    """A list of per-layer decoding states for `batch` rows and up to `max_len` tokens, each of
+    its layer's kind (block.init_state)."""
+    return [block.init_state(config.block_config(i), batch, max_len, jnp.dtype(config.dtype))
+            for i in range(config.num_layers)]
 
 
 def apply(params, tokens, config: Config, *, state=None, segment_ids=None, sharding=None):
@@ -108,7 +160,7 @@ def apply(params, tokens, config: Config, *, state=None, segment_ids=None, shard
         x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, d_model]
         new_states = []
         for i, layer_params in enumerate(params["blocks"]):
-            x, s = block.apply(layer_params, x, config.block,
+            x, s = block.apply(layer_params, x, config.block_config(i),
                                state=None if state is None else state[i], segment_ids=segment_ids,
                                sharding=sharding)
             new_states.append(s)

@@ -1,4 +1,9 @@
-"""Causal softmax multi-head attention with GQA and RoPE, through `ops.flash_attention`.
+"""Causal softmax multi-head attention with GQA, RoPE, an optional sliding window and logit soft
+cap, through `ops.flash_attention`.
+
+Sliding window: with `window` = w a query sees the last w keys, itself included (key position j
+with i - w < j <= i), i.e. ops.flash_attention(causal=True, local_window_size=(w - 1, 0)), whose
+window reaches `left` keys before the query's aligned position and `right` after it.
 
 Decoding state: a fixed-size KV cache {"k", "v": [B, max_len, Hkv, D], "pos": int32 []} holding
 the keys (after RoPE) and values of the `pos` tokens seen so far; every row of the batch advances
@@ -9,6 +14,9 @@ slots are never seen:
 - T > 1 (a prompt continued from a cache): the cache is rolled so that the newest token sits in
   the last slot; then the bottom-right aligned causal rule of `ops.flash_attention`
   (query i sees key j iff j <= i + S - T) is exactly "key position <= query position".
+With a window, T == 1 also masks the slots before pos + 1 - window (kv segment id 0), and T > 1
+passes the same local_window_size, which on the rolled cache counts back from the query's own
+slot. The cache keeps all max_len slots either way.
 The caller keeps pos + T <= max_len (`init_state` sizes the cache); past it the write is clamped.
 """
 
@@ -41,6 +49,8 @@ class Config:
     num_kv_heads: int | None = None  # default num_heads; fewer gives GQA/MQA
     head_dim: int | None = None  # default d_model // num_heads
     rope_base: float | None = 10000.0  # None: no rotary embedding
+    window: int | None = None  # sliding window: a query sees the last `window` keys (itself too)
+    logits_soft_cap: float | None = None  # c: scores become c * tanh(scores / c)
     backend: str = "auto"
 
     def __post_init__(self):
@@ -62,6 +72,15 @@ class Config:
         if self.rope_base is not None and self.dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim; got {self.dim}.")
         checks.check_choice("backend", self.backend, BACKENDS)
+        if self.window is not None:
+            check_positive("window", self.window)
+        if self.logits_soft_cap is not None:
+            checks.check_scale("logits_soft_cap", self.logits_soft_cap)
+
+    @property
+    def local_window_size(self) -> tuple[int, int] | None:
+        """ops.flash_attention's (left, right) for `window`: w - 1 keys back, none ahead."""
+        return None if self.window is None else (self.window - 1, 0)
 
     @property
     def kv_heads(self) -> int:
@@ -129,8 +148,10 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=N
             k = rotary(k, positions, base=config.rope_base)
         if state is None:
             seg = None if segment_ids is None else segment_index(segment_ids)
-            o = ops.flash_attention(q, k, v, causal=True, segment_ids=seg, backend=config.backend,
-                                    sharding=sharding)
+            o = ops.flash_attention(q, k, v, causal=True, segment_ids=seg,
+                                    local_window_size=config.local_window_size,
+                                    logits_soft_cap=config.logits_soft_cap,
+                                    backend=config.backend, sharding=sharding)
             new_state = None
         else:
             o, new_state = _attend_with_cache(q, k, v, state, config)
@@ -150,8 +171,11 @@ def _attend_with_cache(q, k, v, state, config: Config):
     filled = pos + t
     slots = jnp.arange(max_len, dtype=jnp.int32)
     keys, values = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+    window = None
     if t == 1:
         kv_ids = slots < filled
+        if config.window is not None:
+            kv_ids = jnp.logical_and(kv_ids, slots >= filled - config.window)
         causal = False
     else:
         # Slot filled - 1 moves to max_len - 1; the unfilled slots wrap to the front.
@@ -160,8 +184,10 @@ def _attend_with_cache(q, k, v, state, config: Config):
         values = jnp.roll(values, shift, axis=1)
         kv_ids = slots >= shift
         causal = True
+        window = config.local_window_size
     kv_ids = jnp.broadcast_to(kv_ids.astype(jnp.int32)[None, :], (b, max_len))
     q_ids = jnp.ones((b, t), jnp.int32)
     o = ops.flash_attention(q, keys, values, causal=causal, segment_ids=(q_ids, kv_ids),
+                            local_window_size=window, logits_soft_cap=config.logits_soft_cap,
                             backend=config.backend)
     return o, {"k": k_cache, "v": v_cache, "pos": filled}

@@ -81,7 +81,9 @@ def _rope_by_hand(x, positions, base):
 
 
 def _mha_by_hand(params, x, cfg: mha.Config, segment_ids=None):
-    """Causal softmax attention with explicit scores, mask and repeated kv heads, float64."""
+    """Causal softmax attention with explicit scores, mask and repeated kv heads, float64; with
+    cfg.window a query sees the keys j with i - window < j <= i, with cfg.logits_soft_cap the
+    scores s become c tanh(s / c)."""
     p, x = _f64(params), np.asarray(x, np.float64)
     b, t, _ = x.shape
     h, hkv, d = cfg.num_heads, cfg.kv_heads, cfg.dim
@@ -97,7 +99,11 @@ def _mha_by_hand(params, x, cfg: mha.Config, segment_ids=None):
         q, k = _rope_by_hand(q, positions, cfg.rope_base), _rope_by_hand(k, positions, cfg.rope_base)
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
     s = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(d)
+    if cfg.logits_soft_cap is not None:
+        s = cfg.logits_soft_cap * np.tanh(s / cfg.logits_soft_cap)
     causal = np.tril(np.ones((t, t), bool))
+    if cfg.window is not None:
+        causal &= ~np.tril(np.ones((t, t), bool), -cfg.window)
     # Segments are runs of equal ids, so "same id and j <= i" is the packed-sequence mask.
     mask = causal[None] & (seg[:, :, None] == seg[:, None, :])
     s = np.where(mask[:, None], s, -np.inf)
@@ -143,11 +149,13 @@ def test_gla_layer_matches_hand_written(name, with_state):
         assert final is None
 
 
-@pytest.mark.parametrize("num_kv_heads,rope,segments", [
-    (4, True, False), (2, True, True), (1, False, False)])
-def test_mha_matches_explicit_softmax(num_kv_heads, rope, segments):
+@pytest.mark.parametrize("num_kv_heads,rope,segments,window,soft_cap", [
+    (4, True, False, None, None), (2, True, True, None, None), (1, False, False, None, None),
+    (2, True, True, 5, 3.0)])
+def test_mha_matches_explicit_softmax(num_kv_heads, rope, segments, window, soft_cap):
     cfg = mha.Config(d_model=D_MODEL, num_heads=4, num_kv_heads=num_kv_heads,
-                     rope_base=10000.0 if rope else None)
+                     rope_base=10000.0 if rope else None, window=window,
+                     logits_soft_cap=soft_cap)
     k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
     params = mha.init(k1, cfg)
     x = _x(k2)
@@ -208,7 +216,16 @@ def test_rms_norm_runs_in_float32():
                                   np.asarray(expected.astype(jnp.bfloat16), np.float32))
 
 
-@pytest.mark.parametrize("kind", block.ATTENTION_KINDS)
+# [B, HV, K, V] at d_model 64, 4 heads: Gated DeltaNet's V is 2 K (expand_v 2), the gla kinds'
+# K is d/8 (expand_k 0.5).
+RECURRENT_SHAPES = {"gated_deltanet": (B, 4, 16, 32), "kda": (B, 4, 16, 16),
+                    "deltanet": (B, 4, 16, 16)}
+
+
+# The delta-rule kinds with --full (test_delta_layers.py checks their bfloat16 dtypes).
+@pytest.mark.parametrize("kind", [
+    kind if kind not in RECURRENT_SHAPES else pytest.param(kind, marks=pytest.mark.full)
+    for kind in block.ATTENTION_KINDS])
 def test_block_bfloat16_dtypes_and_accuracy(kind):
     """bfloat16 activations in and out, float32 recurrent state, bfloat16 KV cache; the bfloat16
     block stays within a few bfloat16 eps of the float32 block."""
@@ -223,7 +240,10 @@ def test_block_bfloat16_dtypes_and_accuracy(kind):
         assert s16["k"].dtype == s16["v"].dtype == jnp.bfloat16
         assert s16["k"].shape == (B, 32, 4, D_MODEL // 4) and int(s16["pos"]) == T
     else:
-        assert s16.dtype == jnp.float32 and s16.shape == (B, 4, 8, 16)
+        # gla kinds: the recurrent state itself; delta-rule kinds: {"recurrent", "conv_*"}
+        recurrent = s16["recurrent"] if isinstance(s16, dict) else s16
+        assert all(a.dtype == jnp.float32 for a in jax.tree_util.tree_leaves(s16))
+        assert recurrent.shape == RECURRENT_SHAPES.get(kind, (B, 4, 8, 16))
     assert relative_rms_error(y16, y32) <= BF16_MAX_RELATIVE_RMS
 
 
@@ -234,6 +254,8 @@ def test_block_bfloat16_dtypes_and_accuracy(kind):
     lambda: gla_layer.Config(d_model=64, mode="parallel"),
     lambda: mha.Config(d_model=64, num_heads=4, num_kv_heads=3),
     lambda: mha.Config(d_model=60, num_heads=4, head_dim=15),
+    lambda: mha.Config(d_model=64, num_heads=4, window=0),
+    lambda: mha.Config(d_model=64, num_heads=4, logits_soft_cap=-1.0),
     lambda: block.Config(d_model=64, num_heads=4, attention="mamba"),
     lambda: mlp.Config(d_model=0),
 ])

@@ -23,7 +23,11 @@ from gla_tpu.testing import assert_pass_rule, relative_rms_error
 from gla_tpu.testing.tolerance import FLOAT32_MAX_RELATIVE_RMS
 
 B, T, VOCAB, MAX_LEN = 2, 24, 64, 32
-KINDS = block.ATTENTION_KINDS
+# The delta-rule kinds run here with --full only: test_delta_layers.py checks them layer by layer
+# and test_hybrid_lm.py in an LM.
+_DELTA_KINDS = ("gated_deltanet", "kda", "deltanet")
+KINDS = [kind if kind not in _DELTA_KINDS else pytest.param(kind, marks=pytest.mark.full)
+         for kind in block.ATTENTION_KINDS]
 
 
 def _config(kind, dtype="float32", num_layers=2):
