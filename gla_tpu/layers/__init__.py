@@ -29,6 +29,8 @@ Modules (each with Config / init / apply; the attention layers and short_conv al
                           "simple_gla", "linear", "gated_deltanet", "kda", "deltanet"
   lm                      embedding, blocks (one kind, or a cyclic layer_pattern), final norm,
                           head; apply, decode_step, cross_entropy
+  fla_checkpoint          from_fla(path) -> (lm.Config, params): an fla model directory
+                          (gla, gated_deltanet, kda, delta_net, hybrids) as our LM
   training                adamw(lr): optax AdamW with global-norm clipping, weight decay on
                           rank >= 2 leaves (needs optax, the `train` extra)
   basic                   dense, rms_norm, gated_rms_norm, rotary, segment_positions
@@ -39,6 +41,7 @@ from gla_tpu.layers import (
     block,
     delta_common,
     deltanet,
+    fla_checkpoint,
     gated_deltanet,
     gated_linear_attention,
     kda,
@@ -59,6 +62,7 @@ from gla_tpu.layers.basic import (
     segment_positions,
 )
 from gla_tpu.layers.block import ATTENTION_KINDS
+from gla_tpu.layers.fla_checkpoint import from_fla
 from gla_tpu.layers.gated_linear_attention import linear_attention_config, simple_gla_config
 
 __all__ = [
@@ -69,6 +73,8 @@ __all__ = [
     "deltanet",
     "dense",
     "dense_init",
+    "fla_checkpoint",
+    "from_fla",
     "gated_deltanet",
     "gated_linear_attention",
     "gated_rms_norm",

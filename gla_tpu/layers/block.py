@@ -6,7 +6,9 @@ config field:
   "kda"             kda (per-key decay)
   "deltanet"        deltanet (no decay)
 Fields that the chosen kind does not use are ignored; `None` for expand_k, expand_v and
-use_short_conv means the layer's own default (fla's).
+use_short_conv means the layer's own default (fla's). `attention_options` sets any other field of
+the attention layer's Config, e.g. (("use_output_gate", False),) for a gla kind or
+(("use_beta", False), ("qk_norm", "sum")) for deltanet.
 """
 
 from __future__ import annotations
@@ -59,11 +61,18 @@ class Config:
     # delta-rule kinds
     num_v_heads: int | None = None  # gated_deltanet, kda: value heads (GVA), default num_heads
     allow_neg_eigval: bool = False
+    # More fields of the attention layer's Config, as (name, value) pairs (a dict is taken as
+    # its sorted items); the names block sets from its own fields are not accepted here.
+    attention_options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
         check_positive("d_model", self.d_model)
         checks.check_choice("attention", self.attention, ATTENTION_KINDS)
         checks.check_choice("backend", self.backend, BACKENDS)
+        if isinstance(self.attention_options, dict):
+            object.__setattr__(self, "attention_options",
+                               tuple(sorted(self.attention_options.items())))
+        _check_options(self.attention_options)
         # Building the sub-configs validates every remaining field.
         self.attention_config()
         self.mlp_config()
@@ -73,29 +82,59 @@ class Config:
         deltanet)."""
         kind = self.attention
         if kind == "softmax":
-            return mha.Config(d_model=self.d_model, num_heads=self.num_heads,
-                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                              rope_base=self.rope_base, window=self.window,
-                              logits_soft_cap=self.logits_soft_cap, backend=self.backend)
+            return self._layer_config(
+                mha.Config, d_model=self.d_model, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
+                window=self.window, logits_soft_cap=self.logits_soft_cap, backend=self.backend)
         common = dict(d_model=self.d_model, num_heads=self.num_heads, norm_eps=self.norm_eps,
                       mode=self.mode, backend=self.backend, conv_size=self.conv_size,
                       **_given(expand_v=self.expand_v, use_short_conv=self.use_short_conv))
         if kind in _GATES:
-            return gla_layer.Config(
-                num_kv_heads=self.num_kv_heads, gate=_GATES[kind],
+            return self._layer_config(
+                gla_layer.Config, num_kv_heads=self.num_kv_heads, gate=_GATES[kind],
                 gate_logit_normalizer=self.gate_logit_normalizer, clamp_min=self.clamp_min,
                 feature_map=self.feature_map, **_given(expand_k=self.expand_k), **common)
         common["allow_neg_eigval"] = self.allow_neg_eigval
         if kind == "deltanet":
-            return deltanet.Config(**_given(expand_k=self.expand_k), **common)
+            return self._layer_config(deltanet.Config, **_given(expand_k=self.expand_k), **common)
         module = gated_deltanet if kind == "gated_deltanet" else kda
-        return module.Config(head_dim=self.head_dim, num_v_heads=self.num_v_heads, **common)
+        return self._layer_config(module.Config, head_dim=self.head_dim,
+                                  num_v_heads=self.num_v_heads, **common)
+
+    def _layer_config(self, config_class, **fields):
+        """config_class(**fields) with `attention_options` added (ValueError naming an option that
+        block sets itself or that config_class lacks)."""
+        options = dict(self.attention_options)
+        names = {f.name for f in dataclasses.fields(config_class)}
+        for name in options:
+            if name in fields or (name in _BLOCK_FIELDS and name in names):
+                raise ValueError(f"attention_options sets {name!r}, a field that block.Config "
+                                 "sets itself: use block.Config's own field.")
+            if name not in names:
+                raise ValueError(
+                    f"attention_options sets {name!r}, which the {self.attention!r} layer's "
+                    f"Config ({config_class.__module__}) lacks; its fields: {sorted(names)}.")
+        return config_class(**fields, **options)
 
     def mlp_config(self) -> mlp.Config:
         return mlp.Config(d_model=self.d_model, hidden=self.mlp_hidden)
 
     def attention_module(self):
         return _MODULES[self.attention]
+
+
+# A layer field that block.Config also has is set through block's field, not attention_options.
+_BLOCK_FIELDS = frozenset(f.name for f in dataclasses.fields(Config))
+
+
+def _check_options(options) -> None:
+    if not isinstance(options, tuple) or not all(
+            isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) for o in options):
+        raise ValueError("attention_options must be a tuple of (name, value) pairs or a dict; "
+                         f"got {options!r}.")
+    names = [name for name, _ in options]
+    if len(set(names)) != len(names):
+        raise ValueError(f"attention_options names a field twice: {names}.")
 
 
 def _given(**fields):

@@ -42,6 +42,9 @@ class Config:
     num_layers: int
     block: block.Config
     tie_embeddings: bool = True
+    # The tied head is embed^T * tied_head_scale; None: d_model**-0.5 (unit-variance embedding
+    # rows then give unit-scale logits); 1.0 is the plain embed^T of fla and most checkpoints
+    tied_head_scale: float | None = None
     dtype: str = "bfloat16"  # activations
     # None: every layer is `block`; else a tuple of kinds (block.ATTENTION_KINDS) and/or
     # block.Configs, repeated over the layers
@@ -53,6 +56,8 @@ class Config:
         if not isinstance(self.block, block.Config):
             raise ValueError(f"block must be a layers.block.Config; got {self.block!r}.")
         checks.check_choice("dtype", self.dtype, ("bfloat16", "float32", "float16", "float64"))
+        object.__setattr__(self, "tied_head_scale",
+                           checks.check_scale("tied_head_scale", self.tied_head_scale))
         if isinstance(self.layer_pattern, list):
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         if self.layer_pattern is not None:
@@ -81,6 +86,11 @@ class Config:
     def d_model(self) -> int:
         return self.block.d_model
 
+    @property
+    def head_scale(self) -> float:
+        """The tied head's factor: tied_head_scale, or d_model**-0.5 when it is None."""
+        return self.d_model**-0.5 if self.tied_head_scale is None else self.tied_head_scale
+
     def block_config(self, layer: int) -> block.Config:
         """The block.Config of layer `layer` (0-based)."""
         if self.layer_pattern is None:
@@ -99,7 +109,8 @@ class Config:
 def init(key, config: Config):
     """{"embed": [vocab, d_model], "blocks": [per-layer dicts], "final_norm", "head"?}, float32.
 
-    The embedding has unit-variance rows; with tied embeddings the head is embed^T / sqrt(d_model).
+    The embedding has unit-variance rows; with tied embeddings the head is embed^T * head_scale
+    (1 / sqrt(d_model) unless tied_head_scale is set).
     """
     k_embed, k_head, k_blocks = jax.random.split(key, 3)
     params = {
@@ -166,7 +177,7 @@ def apply(params, tokens, config: Config, *, state=None, segment_ids=None, shard
             new_states.append(s)
         x = rms_norm(params["final_norm"], x, eps=config.block.norm_eps)
         if config.tie_embeddings:
-            head = params["embed"].T * config.d_model**-0.5
+            head = params["embed"].T * config.head_scale
         else:
             head = params["head"]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)

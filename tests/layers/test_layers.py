@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gla_tpu.layers import basic, block, mlp
+from gla_tpu.layers import basic, block, lm, mlp
 from gla_tpu.layers import gated_linear_attention as gla_layer
 from gla_tpu.layers import multi_head_attention as mha
 from gla_tpu.ops import gla_recurrent_reference
@@ -257,6 +257,14 @@ def test_block_bfloat16_dtypes_and_accuracy(kind):
     lambda: mha.Config(d_model=64, num_heads=4, window=0),
     lambda: mha.Config(d_model=64, num_heads=4, logits_soft_cap=-1.0),
     lambda: block.Config(d_model=64, num_heads=4, attention="mamba"),
+    # attention_options: a field the layer lacks, one block sets itself, not (name, value) pairs
+    lambda: block.Config(d_model=64, num_heads=4, attention="gla",
+                         attention_options={"use_beta": False}),
+    lambda: block.Config(d_model=64, num_heads=4, attention="deltanet",
+                         attention_options={"norm_eps": 1e-6}),
+    lambda: block.Config(d_model=64, num_heads=4, attention_options=("window",)),
+    lambda: lm.Config(vocab_size=8, num_layers=1, block=block.Config(d_model=64, num_heads=4),
+                      tied_head_scale=0.0),
     lambda: mlp.Config(d_model=0),
 ])
 def test_invalid_configs_raise_value_error(make):
