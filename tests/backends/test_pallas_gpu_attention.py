@@ -96,8 +96,8 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
      BackwardTiles(64, 64, 2), F16),
     # a causal window, soft-capped, GQA: both kernels stream only the blocks the window reaches
     # and release the ones only the other consumer needs
-    (AttentionCase(1, 400, 400, 4, 2, 64, causal=True, window=(90, 0), soft_cap=2.0),
-     BackwardTiles(64, 64, 2), BF16),
+    pytest.param(AttentionCase(1, 400, 400, 4, 2, 64, causal=True, window=(90, 0), soft_cap=2.0),
+                 BackwardTiles(64, 64, 2), BF16, marks=FULL),
     # head dim 256 under a window: dk/dv's split roles over a shared tile
     pytest.param(AttentionCase(1, 300, 300, 2, 1, 256, causal=True, window=(100, 0)),
                  BackwardTiles(64, 32, 2), F16, marks=FULL),
@@ -245,7 +245,8 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
     (256, True, BackwardTiles(64, 32, 2), True, {}), (64, False, BackwardTiles(), True, {}),
     (128, True, BackwardTiles(64, 128, 2), False,
      dict(local_window_size=300, logits_soft_cap=30.0)),
-    (256, False, BackwardTiles(64, 32, 2), True, dict(local_window_size=(200, 100)))])
+    pytest.param(256, False, BackwardTiles(64, 32, 2), True, dict(local_window_size=(200, 100)),
+                 marks=FULL)])
 def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments, options):
     """Forward, dq and dk/dv through Mosaic GPU's lowering for CUDA (layout inference, wgmma
     shapes, shared-memory transforms, the shared-memory budget), GQA and padded lengths; with a

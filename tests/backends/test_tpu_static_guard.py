@@ -21,7 +21,7 @@ GROWTH_ALLOWED = 1.10
 
 
 # Default run: one attention and one GLA program on one generation, v6e, so that CI guards both
-# op families (about 10 s of profiling each); --full adds the v5e attention program.
+# op families (10-15 s of profiling each on a 2-core host); --full adds the v5e attention program.
 @pytest.mark.parametrize("recorded", [
     pytest.param(r, id=f"{r['op']}-{r['generation']}",
                  marks=() if r["generation"] == "v6e" else pytest.mark.full)
