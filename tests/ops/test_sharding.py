@@ -151,6 +151,7 @@ def test_attention_sharded_matches_unsharded_mosaic_tpu():
     _check_attention(sharding, "mosaic_tpu", segments=True, hkv=2, **SMALL)
 
 
+@pytest.mark.full  # the kernels under shard_map: test_context_parallel_gla_matches_unsharded_mosaic_tpu
 def test_gla_sharded_matches_unsharded_mosaic_tpu():
     sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", None, "model"))
     _check_gla(sharding, "mosaic_tpu", segments=True, **SMALL)
