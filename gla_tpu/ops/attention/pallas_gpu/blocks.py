@@ -86,3 +86,23 @@ def visibility_mask(geo: Geometry, q_pos, k_pos, q_seg, k_seg, *, check_len: boo
         in_range = k_pos < geo.kv_len
         mask = in_range if mask is None else jnp.logical_and(mask, in_range)
     return mask
+
+
+def walk(geo: Geometry, bounds, *, rows_walk_keys: bool):
+    """[(masked, start, end)]: the loops over a tile's blocks, (lo, full_lo, full_hi, hi) from
+    `kv_blocks` (rows_walk_keys) or `q_blocks`, without the ranges that are empty for every tile
+    of the call (no loop body traced for them): with segment ids one masked range [lo, hi); else
+    the masked range at the window's far edge only where that side is bounded (keys: left; queries:
+    right), the mask-free middle, and the masked range at the near edge (queries: only where
+    left is bounded)."""
+    lo, full_lo, full_hi, hi = bounds
+    if geo.has_segments:
+        return [(True, lo, hi)]
+    left, right = geo.reach
+    far_bounded = left is not None if rows_walk_keys else right is not None
+    near = True if rows_walk_keys else left is not None
+    ranges = [(True, lo, full_lo)] if far_bounded else []
+    ranges.append((False, full_lo, full_hi))
+    if near:
+        ranges.append((True, full_hi, hi))
+    return ranges

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask
+from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask, walk
 from gla_tpu.ops.attention.pallas_gpu.plan import (CONSUMERS, BackwardTiles, Geometry,
                                                   splits_dkv_roles)
 from gla_tpu.ops.attention.scores import base2_scores
@@ -160,13 +160,12 @@ def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_bl
         release_step(slot_of(step), ready, (kv_free,))
         return carry
 
-    lo, full_lo, full_hi, hi = kv_blocks(geo, q_base, bq, bkv)
+    bounds = kv_blocks(geo, q_base, bq, bkv)
     dq = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    lax.fori_loop(tile_first, lo, release, None)  # blocks only the other consumer needs
-    dq = lax.fori_loop(lo, full_lo, lambda i, c: step_fn(True, i, c), dq)
-    dq = lax.fori_loop(full_lo, full_hi, lambda i, c: step_fn(False, i, c), dq)
-    dq = lax.fori_loop(full_hi, hi, lambda i, c: step_fn(True, i, c), dq)
-    lax.fori_loop(hi, tile_end, release, None)
+    lax.fori_loop(tile_first, bounds[0], release, None)  # blocks only the other consumer needs
+    for masked, start, end in walk(geo, bounds, rows_walk_keys=True):
+        dq = lax.fori_loop(start, end, lambda i, c, masked=masked: step_fn(masked, i, c), dq)
+    lax.fori_loop(bounds[3], tile_end, release, None)
 
     q_smem[...] = (dq * geo.sm_scale).astype(dtype)
     plgpu.commit_smem()
@@ -259,13 +258,14 @@ def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_b
 
     zeros = plgpu.layout_cast(jnp.full((keys, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros) if role == BOTH else (zeros,)
-    lo, full_lo, full_hi, hi = q_blocks(geo, k_base, keys, bq)
+    bounds = q_blocks(geo, k_base, keys, bq)
+    ranges = walk(geo, bounds, rows_walk_keys=False)
     for g in range(geo.group):
-        lax.fori_loop(first_block, lo, lambda i, c, g=g: release(g, i, c), None)
-        carry = lax.fori_loop(lo, full_lo, lambda i, c, g=g: step_fn(True, g, i, c), carry)
-        carry = lax.fori_loop(full_lo, full_hi, lambda i, c, g=g: step_fn(False, g, i, c), carry)
-        carry = lax.fori_loop(full_hi, hi, lambda i, c, g=g: step_fn(True, g, i, c), carry)
-        lax.fori_loop(hi, end_block, lambda i, c, g=g: release(g, i, c), None)
+        lax.fori_loop(first_block, bounds[0], lambda i, c, g=g: release(g, i, c), None)
+        for masked, start, end in ranges:
+            carry = lax.fori_loop(start, end, lambda i, c, g=g, masked=masked:
+                                  step_fn(masked, g, i, c), carry)
+        lax.fori_loop(bounds[3], end_block, lambda i, c, g=g: release(g, i, c), None)
 
     if role == BOTH:
         dk, dv = carry

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, visibility_mask
+from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, visibility_mask, walk
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
 from gla_tpu.ops.attention.scores import base2_scores
 from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, release_step, ring_producer
@@ -138,12 +138,13 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks
         return carry
 
     pl.when(wg == 1)(lambda: _take_turn(turn))  # consumer 1 starts one turn behind consumer 0
-    lo, full_lo, full_hi, hi = kv_blocks(geo, q_base, bq, bkv)
-    lax.fori_loop(tile_first, lo, release_only, None)  # blocks only the other consumer needs
-    carry = lax.fori_loop(lo, full_lo, lambda i, c: step_fn(True, i, c), (acc, m, l))
-    carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step_fn(False, i, c), carry)
-    acc, m, l = lax.fori_loop(full_hi, hi, lambda i, c: step_fn(True, i, c), carry)
-    lax.fori_loop(hi, tile_end, release_only, None)
+    bounds = kv_blocks(geo, q_base, bq, bkv)
+    lax.fori_loop(tile_first, bounds[0], release_only, None)  # blocks only the other consumer needs
+    carry = (acc, m, l)
+    for masked, start, end in walk(geo, bounds, rows_walk_keys=True):
+        carry = lax.fori_loop(start, end, lambda i, c, masked=masked: step_fn(masked, i, c), carry)
+    acc, m, l = carry
+    lax.fori_loop(bounds[3], tile_end, release_only, None)
     pl.when(wg == 0)(lambda: _take_turn(turn))
 
     seen = l > 0.0

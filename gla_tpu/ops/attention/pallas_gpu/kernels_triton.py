@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask
+from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask, walk
 from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
 from gla_tpu.ops.attention.scores import base2_scores
 from gla_tpu.ops.common.products import HIGHEST, product
@@ -61,20 +61,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, 
 
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    acc, m, l = _over_ranges(kv_blocks(geo, q_start, block_q, block_kv), body, carry)
+    acc, m, l = _over_ranges(walk(geo, kv_blocks(geo, q_start, block_q, block_kv),
+                                  rows_walk_keys=True), body, carry)
     seen = l > 0.0
     o = acc / jnp.where(seen, l, 1.0)[:, None]
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), geo.empty_row_lse)
 
 
-def _over_ranges(bounds, body, carry):
-    """body(masked, block, carry) over the blocks (lo, full_lo, full_hi, hi) of blocks.py: masked,
-    then mask-free, then masked."""
-    lo, full_lo, full_hi, hi = bounds
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
+def _over_ranges(ranges, body, carry):
+    """body(masked, block, carry) over the [(masked, start, end)] of blocks.walk."""
+    for masked, start, end in ranges:
+        carry = lax.fori_loop(start, end, functools.partial(body, masked), carry)
+    return carry
 
 
 def _row_positions(geo: Geometry, block_index, block: int, seg_ref, tile):
@@ -123,8 +122,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_r
         ds = _score_grad(p, cap_grad, do, v, delta)
         return dq + product(ds.astype(k.dtype), k, "nn", HIGHEST)
 
-    dq = _over_ranges(kv_blocks(geo, q_start, block_q, block_kv), body,
-                      jnp.zeros(q.shape, jnp.float32))
+    dq = _over_ranges(walk(geo, kv_blocks(geo, q_start, block_q, block_kv), rows_walk_keys=True),
+                      body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * geo.sm_scale).astype(dq_ref.dtype)
 
 
@@ -154,10 +153,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_
         dk = dk + product(dst.astype(q.dtype), q, "nn", HIGHEST)
         return dk, dv
 
-    bounds = q_blocks(geo, k_start, block_kv, block_q)
+    ranges = walk(geo, q_blocks(geo, k_start, block_kv, block_q), rows_walk_keys=False)
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for g in range(geo.group):
-        carry = _over_ranges(bounds, lambda masked, qb, c, g=g: body(masked, g, qb, c), carry)
+        carry = _over_ranges(ranges, lambda masked, qb, c, g=g: body(masked, g, qb, c), carry)
     dk, dv = carry
     dk_ref[...] = (dk * geo.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
