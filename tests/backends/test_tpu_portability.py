@@ -143,8 +143,13 @@ def test_attention_compiles_within_3x_of_jax_flash_attention():
             return jnp.sum(o.astype(F32) ** 2)
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    ours = _seconds_to_compile(_attention_fwd_bwd, [jax.ShapeDtypeStruct((2, 4096, 32, 128),
-                                                                          BF16)] * 3, "v5e")
-    theirs = _seconds_to_compile(jax_fwd_bwd, [jax.ShapeDtypeStruct((2, 32, 4096, 128),
-                                                                    BF16)] * 3, "v5e")
-    assert ours <= 3 * theirs, (ours, theirs)
+    # Alternated, the fastest of three each: the other test worker's load then falls on both
+    # alike (measured one after the other, under load, ours once took 3.1x).
+    ours, theirs = [], []
+    for _ in range(3):
+        ours.append(_seconds_to_compile(
+            _attention_fwd_bwd, [jax.ShapeDtypeStruct((2, 4096, 32, 128), BF16)] * 3, "v5e",
+            repeats=1))
+        theirs.append(_seconds_to_compile(
+            jax_fwd_bwd, [jax.ShapeDtypeStruct((2, 32, 4096, 128), BF16)] * 3, "v5e", repeats=1))
+    assert min(ours) <= 3 * min(theirs), (ours, theirs)
