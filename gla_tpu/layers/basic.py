@@ -148,3 +148,24 @@ def check_activation_sharding(sharding) -> None:
 def check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}.")
+
+
+class ExpandedDims:
+    """The dims of a layer whose key and value widths are d_model * expand_k / expand_v, split
+    over num_heads (GLA, DeltaNet): a mixin of their Configs."""
+
+    @property
+    def key_dim(self) -> int:
+        return int(self.d_model * self.expand_k)
+
+    @property
+    def value_dim(self) -> int:
+        return int(self.d_model * self.expand_v)
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.key_dim // self.num_heads
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.value_dim // self.num_heads

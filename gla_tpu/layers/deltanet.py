@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from gla_tpu.layers import delta_common, qkv
-from gla_tpu.layers.basic import dense, dense_init, rms_norm_init
+from gla_tpu.layers.basic import ExpandedDims, dense, dense_init, rms_norm_init
 from gla_tpu.ops.common import validation as checks
 
 QK_ACTIVATIONS = {
@@ -47,7 +47,7 @@ QK_NORMS = ("l2", "sum")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ExpandedDims):
     d_model: int
     num_heads: int = 4
     expand_k: float = 1.0
@@ -81,22 +81,6 @@ class Config:
     @property
     def v_heads(self) -> int:
         return self.num_heads
-
-    @property
-    def key_dim(self) -> int:
-        return int(self.d_model * self.expand_k)
-
-    @property
-    def value_dim(self) -> int:
-        return int(self.d_model * self.expand_v)
-
-    @property
-    def head_k_dim(self) -> int:
-        return self.key_dim // self.num_heads
-
-    @property
-    def head_v_dim(self) -> int:
-        return self.value_dim // self.num_heads
 
     def qkv_spec(self) -> qkv.Spec:
         qk = "silu" if self.qk_activation == "silu" else None

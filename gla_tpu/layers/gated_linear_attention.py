@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from gla_tpu import ops
 from gla_tpu.layers import qkv
 from gla_tpu.layers.basic import (
+    ExpandedDims,
     check_input,
     check_positive,
     check_segment_ids,
@@ -63,7 +64,7 @@ FEATURE_MAPS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ExpandedDims):
     d_model: int
     num_heads: int = 4
     num_kv_heads: int | None = None  # default num_heads; fewer share k, v (and a "key" gate)
@@ -115,22 +116,6 @@ class Config:
             raise ValueError(
                 f"clamp_min must be None or <= 0 (g is a log gate); got {self.clamp_min!r}."
             )
-
-    @property
-    def key_dim(self) -> int:
-        return int(self.d_model * self.expand_k)
-
-    @property
-    def value_dim(self) -> int:
-        return int(self.d_model * self.expand_v)
-
-    @property
-    def head_k_dim(self) -> int:
-        return self.key_dim // self.num_heads
-
-    @property
-    def head_v_dim(self) -> int:
-        return self.value_dim // self.num_heads
 
     @property
     def kv_heads(self) -> int:
