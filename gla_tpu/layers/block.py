@@ -5,6 +5,7 @@ config field:
   "gated_deltanet"  gated_deltanet (per-head decay)
   "kda"             kda (per-key decay)
   "deltanet"        deltanet (no decay)
+`backend` and `interpret` (Pallas interpret mode) go to every kind's op.
 Fields that the chosen kind does not use are ignored; `None` for expand_k, expand_v and
 use_short_conv means the layer's own default (fla's). `attention_options` sets any other field of
 the attention layer's Config, e.g. (("use_output_gate", False),) for a gla kind or
@@ -39,6 +40,7 @@ class Config:
     mlp_hidden: int | None = None  # default mlp.default_hidden(d_model)
     norm_eps: float = 1e-5
     backend: str = "auto"
+    interpret: bool = False  # every kind: the Pallas backend's kernels in interpret mode (CPU)
     # softmax, and the k, v heads of the gla kinds
     num_kv_heads: int | None = None
     # softmax only
@@ -69,6 +71,7 @@ class Config:
         check_positive("d_model", self.d_model)
         checks.check_choice("attention", self.attention, ATTENTION_KINDS)
         checks.check_choice("backend", self.backend, BACKENDS)
+        checks.check_bool("interpret", self.interpret)
         if isinstance(self.attention_options, dict):
             object.__setattr__(self, "attention_options",
                                tuple(sorted(self.attention_options.items())))
@@ -85,9 +88,11 @@ class Config:
             return self._layer_config(
                 mha.Config, d_model=self.d_model, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
-                window=self.window, logits_soft_cap=self.logits_soft_cap, backend=self.backend)
+                window=self.window, logits_soft_cap=self.logits_soft_cap, backend=self.backend,
+                interpret=self.interpret)
         common = dict(d_model=self.d_model, num_heads=self.num_heads, norm_eps=self.norm_eps,
-                      mode=self.mode, backend=self.backend, conv_size=self.conv_size,
+                      mode=self.mode, backend=self.backend, interpret=self.interpret,
+                      conv_size=self.conv_size,
                       **_given(expand_v=self.expand_v, use_short_conv=self.use_short_conv))
         if kind in _GATES:
             return self._layer_config(

@@ -9,7 +9,7 @@
 
 Each layer's Config provides num_heads (H, q and k heads), v_heads (HV), head_k_dim (K),
 head_v_dim (V), key_dim (H K), value_dim (HV V), qkv_spec(), allow_neg_eigval, norm_eps, mode,
-chunk_size and backend.
+chunk_size, backend and interpret (ops.delta_rule's: a Pallas backend in interpret mode).
 
 Decoding state of every delta-rule layer: {"recurrent": [B, HV, K, V] float32} plus, with short
 convolutions, {"conv_q": [B, w-1, key_dim], "conv_k": [B, w-1, key_dim], "conv_v": [B, w-1,
@@ -82,7 +82,7 @@ def check_common(config) -> None:
     check_positive("d_model", config.d_model)
     check_positive("num_heads", config.num_heads)
     check_positive("conv_size", config.conv_size)
-    for name in ("use_short_conv", "conv_bias", "allow_neg_eigval"):
+    for name in ("use_short_conv", "conv_bias", "allow_neg_eigval", "interpret"):
         checks.check_bool(name, getattr(config, name))
     if not config.norm_eps > 0:
         raise ValueError(f"norm_eps must be positive; got {config.norm_eps!r}.")
@@ -177,7 +177,7 @@ def recurrence(q, k, v, beta_, g, config, *, state, segment_ids, sharding, use_q
         q, k, v, beta_, g, initial_state=None if state is None else state["recurrent"],
         output_final_state=state is not None, segment_ids=segment_ids,
         use_qk_l2norm=use_qk_l2norm, mode=mode, chunk_size=config.chunk_size,
-        backend=config.backend, sharding=sharding)
+        backend=config.backend, interpret=config.interpret, sharding=sharding)
 
 
 def output(params, o, gate, x, config, *, activation: str = "swish"):

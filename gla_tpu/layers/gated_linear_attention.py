@@ -13,7 +13,7 @@ per head), and Hkv = num_kv_heads key/value heads (default num_heads):
                    repeated like k
       gate "head": gate(x) = x W_g + b_g            d_model -> num_heads (simple GLA)  [B, T, H]
       gate "none": no decay (linear attention)
-  o, S = ops.gla(q, k, v, g, initial_state=S)   S: [B, H, K, V] float32
+  o, S = ops.gla(q, k, v, g, initial_state=S)   S: [B, H, K, V] float32 (backend, interpret)
   y = (rms_norm_per_head(o) * swish(x W_r)) W_o  (without the output gate: rms_norm_per_head(o) W_o)
 
 Decoding state: without short convolutions the recurrent state S [B, H, K, V] float32 itself;
@@ -83,6 +83,7 @@ class Config(ExpandedDims):
     mode: str = "auto"
     chunk_size: int | None = None
     backend: str = "auto"
+    interpret: bool = False  # run a Pallas backend's kernels in interpret mode (on CPU)
 
     def __post_init__(self):
         check_positive("d_model", self.d_model)
@@ -101,6 +102,7 @@ class Config(ExpandedDims):
         checks.check_choice("mode", self.mode, MODES)
         checks.check_choice("chunk_size", self.chunk_size, (None, *CHUNK_SIZES))
         checks.check_choice("backend", self.backend, BACKENDS)
+        checks.check_bool("interpret", self.interpret)
         for name in ("expand_k", "expand_v"):
             total = self.d_model * getattr(self, name)
             if total != int(total) or int(total) <= 0 or int(total) % self.num_heads:
@@ -247,7 +249,7 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=N
         o, new_recurrent = ops.gla(
             q, k, v, g, initial_state=recurrent, output_final_state=state is not None,
             segment_ids=segment_ids, mode=mode, chunk_size=config.chunk_size,
-            backend=config.backend, sharding=sharding,
+            backend=config.backend, interpret=config.interpret, sharding=sharding,
         )  # o: [B, T, H, V] in x's dtype
         r = None
         if config.use_output_gate:

@@ -61,6 +61,7 @@ class Config(delta_common.HeadDims):
     mode: str = "auto"
     chunk_size: int | None = None
     backend: str = "auto"
+    interpret: bool = False  # run a Pallas backend's kernels in interpret mode (on CPU)
 
     def __post_init__(self):
         delta_common.check_common(self)

@@ -18,6 +18,7 @@ With a window, T == 1 also masks the slots before pos + 1 - window (kv segment i
 passes the same local_window_size, which on the rolled cache counts back from the query's own
 slot. The cache keeps all max_len slots either way.
 The caller keeps pos + T <= max_len (`init_state` sizes the cache); past it the write is clamped.
+Both paths run ops.flash_attention on config.backend, in interpret mode with config.interpret.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Config:
     window: int | None = None  # sliding window: a query sees the last `window` keys (itself too)
     logits_soft_cap: float | None = None  # c: scores become c * tanh(scores / c)
     backend: str = "auto"
+    interpret: bool = False  # run a Pallas backend's kernels in interpret mode (on CPU)
 
     def __post_init__(self):
         check_positive("d_model", self.d_model)
@@ -72,6 +74,7 @@ class Config:
         if self.rope_base is not None and self.dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim; got {self.dim}.")
         checks.check_choice("backend", self.backend, BACKENDS)
+        checks.check_bool("interpret", self.interpret)
         if self.window is not None:
             check_positive("window", self.window)
         if self.logits_soft_cap is not None:
@@ -151,7 +154,8 @@ def apply(params, x, config: Config, *, state=None, segment_ids=None, sharding=N
             o = ops.flash_attention(q, k, v, causal=True, segment_ids=seg,
                                     local_window_size=config.local_window_size,
                                     logits_soft_cap=config.logits_soft_cap,
-                                    backend=config.backend, sharding=sharding)
+                                    backend=config.backend, interpret=config.interpret,
+                                    sharding=sharding)
             new_state = None
         else:
             o, new_state = _attend_with_cache(q, k, v, state, config)
@@ -189,5 +193,5 @@ def _attend_with_cache(q, k, v, state, config: Config):
     q_ids = jnp.ones((b, t), jnp.int32)
     o = ops.flash_attention(q, keys, values, causal=causal, segment_ids=(q_ids, kv_ids),
                             local_window_size=window, logits_soft_cap=config.logits_soft_cap,
-                            backend=config.backend)
+                            backend=config.backend, interpret=config.interpret)
     return o, {"k": k_cache, "v": v_cache, "pos": filled}

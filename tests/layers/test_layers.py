@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gla_tpu.layers import basic, block, lm, mlp
+from gla_tpu.layers import basic, block, deltanet, gated_deltanet, kda, lm, mlp
 from gla_tpu.layers import gated_linear_attention as gla_layer
 from gla_tpu.layers import multi_head_attention as mha
 from gla_tpu.ops import gla_recurrent_reference
@@ -263,6 +263,8 @@ def test_block_bfloat16_dtypes_and_accuracy(kind):
     lambda: block.Config(d_model=64, num_heads=4, attention="deltanet",
                          attention_options={"norm_eps": 1e-6}),
     lambda: block.Config(d_model=64, num_heads=4, attention_options=("window",)),
+    lambda: block.Config(d_model=64, num_heads=4, attention="gla",
+                         attention_options={"interpret": True}),
     lambda: lm.Config(vocab_size=8, num_layers=1, block=block.Config(d_model=64, num_heads=4),
                       tied_head_scale=0.0),
     lambda: mlp.Config(d_model=0),
@@ -270,6 +272,17 @@ def test_block_bfloat16_dtypes_and_accuracy(kind):
 def test_invalid_configs_raise_value_error(make):
     with pytest.raises(ValueError):
         make()
+
+
+@pytest.mark.parametrize("config", [mha.Config, gla_layer.Config, gated_deltanet.Config, kda.Config,
+                                    deltanet.Config, block.Config])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_interpret_must_be_a_bool(config, value):
+    """Every layer Config with a backend takes interpret=True/False (Pallas interpret mode) and
+    names anything else."""
+    assert config(d_model=64, num_heads=4, interpret=True).interpret is True
+    with pytest.raises(ValueError, match=f"^interpret must be a bool; got {value!r}\\.$"):
+        config(d_model=64, num_heads=4, interpret=value)
 
 
 def test_invalid_inputs_raise_value_error():
