@@ -77,19 +77,15 @@ TRITON_DEPRECATION = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-def _cases(names, xfail=None):
+def _cases(names):
     """(name, backend) params: each of `names` on "xla" (CONFIGS), then each of KERNEL_CONFIGS on
-    mosaic_tpu and, but for the delta-rule kinds, on pallas_gpu (interpret mode); `xfail` maps
-    (name, backend) to the reason of a known kernel defect (a strict xfail)."""
+    mosaic_tpu and, but for the delta-rule kinds, on pallas_gpu (interpret mode)."""
     cases = [pytest.param(name, "xla", id=name) for name in names]
     for backend in ("mosaic_tpu", "pallas_gpu"):
         for name, (kind, _) in KERNEL_CONFIGS.items():
             if backend == "pallas_gpu" and kind in DELTA_KINDS:
                 continue
             marks = [] if (name, backend) in DEFAULT_KERNEL_CASES else [pytest.mark.full]
-            if (name, backend) in (xfail or {}):
-                marks.append(pytest.mark.xfail(reason=xfail[name, backend], strict=True,
-                                               raises=AssertionError))
             if backend == "pallas_gpu":
                 marks.append(TRITON_DEPRECATION)
             cases.append(pytest.param(name, backend, id=f"{name}-{backend}", marks=marks))
@@ -358,12 +354,7 @@ def test_decoding_pieces_and_packing_equal_full(name, backend):
 # (running gate sum) (ops/delta_rule/mosaic_tpu/vjp.py, _reverse_chunk_sums): an absolute error of
 # about 1e-8 on every token, however small dg is. At this layer's strong gates (g from -1.3 to -40)
 # that is 9e-6 relative in dg (xla: 4e-7) and 2.4e-5 in d A_log, 1.7e-5 in d dt_bias (xla: 2e-7).
-GDN_DG_REASON = ("mosaic_tpu chunk mode: per-head dg as a reverse sum of db loses ~1e-8 absolute "
-                 "per token; d A_log 2.4e-5 relative (> 1e-5) at strong gates")
-
-
-@pytest.mark.parametrize("name,backend", _cases(
-    DELTA_KINDS, xfail={("gated_deltanet", "mosaic_tpu"): GDN_DG_REASON}))
+@pytest.mark.parametrize("name,backend", _cases(DELTA_KINDS))
 def test_gradients_finite_and_reach_every_parameter(name, backend):
     """Gradients of every parameter and of x, finite and non-zero. "xla": through 8 tokens
     (ops.delta_rule's own gradients are checked in tests/ops). A Pallas backend (interpret mode):

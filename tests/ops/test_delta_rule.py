@@ -114,6 +114,9 @@ KERNEL_CASES = {
                                 initial_state=True, segments=True), BF16),
     "key-strong-T130-f32": (C(1, 130, 1, 2, 64, 64, gate="key", gate_strength=16.0,
                               initial_state=True, segments=True), F32),
+    # Per-head gates of about -11 a token: dg small next to the terms db sums ("Per-head dg",
+    # docs/delta_rule_mosaic_tpu.md).
+    "head-strong-T100-f32": (C(2, 100, 1, 2, 64, 64, gate="head", gate_strength=1 / 16), F32),
 }
 
 

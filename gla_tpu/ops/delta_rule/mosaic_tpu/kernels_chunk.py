@@ -146,6 +146,7 @@ def backward(cfg: ChunkConfig, arrays: dict, *, interpret=False):
         outputs["dg"] = per_head_k
     elif cfg.gate_kind == "head":
         outputs["dbcol"] = column
+        outputs["dbcol_forward"] = column
     outputs["ds0"] = jax.ShapeDtypeStruct((b, hv, vd, kd), f32)
     inputs = _common_inputs(cfg) + ["do", "states", "wy_inverse", "key_scores", "dfinal"]
 
@@ -162,7 +163,7 @@ def backward(cfg: ChunkConfig, arrays: dict, *, interpret=False):
         if cfg.gate_kind == "key":
             r["dg"][...] = gla_tile.gate_grad_per_key(db)
         elif cfg.gate_kind == "head":
-            r["dbcol"][...] = jnp.sum(db, axis=1, keepdims=True)
+            r["dbcol"][...], r["dbcol_forward"][...] = db
         return dst
 
     name = f"delta_rule_bwd_C{cfg.chunk}_{cfg.gate_kind}"

@@ -132,21 +132,51 @@ def forward(q, k, v, beta, gate, seg, st, scale, dt, profiler_safe=False, invers
     return o, gla.next_state(k, u, gate, seg, st, dt)
 
 
+def _head_gate_db(q, kf, dq_inter, dk_late, dk_state, carry_edge, pairs, dt):
+    """d loss / d b of a per-head gate in two parts, ([C, 1] reversed, [C, 1] forward): dg_t is
+    the sum of the first over tokens t.. the chunk's end and of the second over tokens before t
+    (docs/delta_rule_mosaic_tpu.md, "Per-head dg"). Every factor exp(b) is counted once, each
+    from the very value that enters it: a pair (i, j) of the scores or of the key scores
+    (`pairs` [C, C], dA * A) adds to db_i and takes from db_j, the entering state's queries and
+    keys (dq_inter, dk_late [C, K]) add q dq and k dk at their token, the leaving state's keys
+    (dk_state) take k dk at theirs and add their sum at the last token; those two cancel for the
+    tokens before them, so they are summed forward (over tokens before t) instead, and dg at a
+    chunk's first token holds no O(1) terms that cancel. The carried state adds carry_edge [1, K]
+    at the last token."""
+    c = pairs.shape[0]
+    qf = q.astype(jnp.float32)
+    lanes = 128
+    ones = jnp.ones((c, lanes), jnp.float32)
+    if jnp.dtype(dt) == jnp.float32:
+        column_sums = product(pairs, ones, "tn", HIGHEST)[:, :1]  # [C, 1]: sum over i of pairs_ij
+    else:  # a bfloat16 head and tail: about 2^-16 relative
+        head = pairs.astype(jnp.bfloat16)
+        tail = (pairs - head.astype(jnp.float32)).astype(jnp.bfloat16)
+        ones = ones.astype(jnp.bfloat16)
+        column_sums = (product(head, ones, "tn") + product(tail, ones, "tn"))[:, :1]
+    reversed_part = (jnp.sum(pairs, axis=1, keepdims=True) - column_sums
+                     + jnp.sum(qf * dq_inter + kf * dk_late, axis=1, keepdims=True))
+    reversed_part = reversed_part + jnp.where(_iota((c, 1), 0) == c - 1,
+                                              jnp.sum(carry_edge, axis=1, keepdims=True), 0.0)
+    return reversed_part, jnp.sum(kf * dk_state, axis=1, keepdims=True)
+
+
 def backward(q, k, v, beta, gate, seg, do_scaled, st, dst, dt, profiler_safe=False,
              scores=None, inverse=None):
     """One chunk's gradients ("Backward" of docs/delta_rule_math.md) from the entering state ST
     [V, K], the cotangent dST [V, K] of the leaving one and do_scaled = scale * dO [C, V].
 
-    Returns float32 (dq [C, K], dk [C, K], dv [C, V], dbeta [C, 1], db [C, K] or None, dST of the
-    entering state [V, K]); db is d loss / d b (the chunk-local gate sums) per key, None without
-    a gate. GLA's pullback with v = u gives dq, the early-role dk of the scores M and of the
+    Returns float32 (dq [C, K], dk [C, K], dv [C, V], dbeta [C, 1], db, dST of the entering state
+    [V, K]); db is d loss / d b (the chunk-local gate sums) per key [C, K] for per-key gates, the
+    pair (reversed part, forward part) [C, 1] each of `_head_gate_db` for per-head gates, None
+    without a gate. GLA's pullback with v = u gives dq, the early-role dk of the scores M and of the
     leaving state's keys, du and its db; the WY representation adds dr = T^T du and the pairs of A.
     `scores`, `inverse`: (a, T) of `decayed_key_scores`, when formed before.
     """
     chunk = Chunk(k, v, beta, gate, seg, dt, profiler_safe, kk=scores, t=inverse)
     u = chunk.new_values(st, dt)
-    dq, dk_early, du, edge, db = gla.backward(q, k, u, gate, seg, do_scaled, st, dst, dt,
-                                              profiler_safe)
+    dq, dk_early, du, edge, db, (pair_db, dq_inter, dk_state, carry_edge) = gla.backward(
+        q, k, u, gate, seg, do_scaled, st, dst, dt, profiler_safe, key_parts=True)
     dst_prev = gla.prev_state_grad(q, gate, seg, dst, do_scaled, dt) - _dot(du, chunk.w, "tn", dt)
     dr = _dot(chunk.t, du, "tn", dt)  # (I + A)^-T du  [C, V]
     d_a = jnp.where(chunk.strict, -_dot(dr, u, "nt", dt), 0.0)  # [C, C]
@@ -167,11 +197,8 @@ def backward(q, k, v, beta, gate, seg, do_scaled, st, dst, dt, profiler_safe=Fal
     if gate.kind == "key":
         db = db + db_pairs + kf * dk_late
     elif gate.kind == "head":
-        # db_m = q dq + k (dk_late - dk_early), and the leaving state at the last token (edge)
-        c = q.shape[0]
-        db = (q.astype(jnp.float32) * dq + kf * (dk_late_pairs + dk_late)
-              - kf * (dk_early + dk_early_pairs))
-        db = db + jnp.where(_iota((c, 1), 0) == c - 1, edge, 0.0)
+        db = _head_gate_db(q, kf, dq_inter, dk_late, dk_state, carry_edge,
+                           pair_db + jnp.where(chunk.strict, beta * d_a * chunk.kk, 0.0), dt)
     else:
         db = None
     return dq, dk, dv, dbeta, db, dst_prev

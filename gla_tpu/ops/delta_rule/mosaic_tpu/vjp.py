@@ -75,7 +75,8 @@ def _bwd(cfg, pack, interpret, residuals, cotangents):
     if cfg.gate_kind == "key":
         dgates = seq_unpack(grads["dg"][0], hv, kd)
     elif cfg.gate_kind == "head":
-        dgates = _reverse_chunk_sums(column(grads["dbcol"]), cfg.chunk)
+        dgates = _chunk_gate_grads(column(grads["dbcol"]), column(grads["dbcol_forward"]),
+                                   cfg.chunk)
     else:
         dgates = None
     ds0 = None if s0 is None else transpose_state(grads["ds0"])
@@ -83,13 +84,18 @@ def _bwd(cfg, pack, interpret, residuals, cotangents):
             column(grads["dbeta"]), dgates, ds0, None)
 
 
-def _reverse_chunk_sums(db, c):
-    """dg [B, T, HV] from d loss / d b: b_t sums g over the chunk's tokens up to t, so dg_t sums
-    db over t .. the chunk's end (one float32 product with a triangle of ones per chunk)."""
+def _chunk_gate_grads(db, db_forward, c):
+    """dg [B, T, HV] from the backward kernel's two parts of d loss / d b [B, T, HV] each: b_t
+    sums g over the chunk's tokens up to t, so dg_t sums `db` over t .. the chunk's end, and
+    `db_forward` (the leaving state's keys, whose shares of db and of the chunk's last token
+    cancel for the tokens before them) over the chunk's tokens before t. One float32 product
+    with triangles of ones per chunk."""
     b, t, hv = db.shape
-    after = jnp.triu(jnp.ones((c, c), jnp.float32))  # [t, s]: s >= t
-    dg = jnp.einsum("ts,bnsh->bnth", after, db.reshape(b, t // c, c, hv),
-                    precision=jax.lax.Precision.HIGHEST)
+    rows, cols = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+    sums = jnp.concatenate([(cols >= rows), (cols < rows)], axis=1).astype(jnp.float32)
+    parts = jnp.concatenate([db.reshape(b, t // c, c, hv),
+                             db_forward.reshape(b, t // c, c, hv)], axis=2)  # [B, N, 2C, HV]
+    dg = jnp.einsum("ts,bnsh->bnth", sums, parts, precision=jax.lax.Precision.HIGHEST)
     return dg.reshape(b, t, hv)
 
 

@@ -40,7 +40,7 @@ _PARALLEL = frozenset({"outputs"})
 # of G entries on a leading axis). beta, dbeta, dbcol, gcol and grow are the delta rule's
 # (gla_tpu/ops/delta_rule/mosaic_tpu/kernels_chunk.py).
 _TOKEN_ROWS = frozenset({"q", "k", "g", "v", "do", "o", "dv", "dq", "dk", "dg", "bcol", "segcol",
-                         "beta", "dbeta", "dbcol", "gcol"})
+                         "beta", "dbeta", "dbcol", "dbcol_forward", "gcol"})
 # Whole [bv, K] states (initial, final and their cotangents): one block per grid row, not per chunk.
 _WHOLE_STATES = ("s0", "final", "dfinal", "ds0")
 
@@ -85,8 +85,10 @@ def _specs(cfg: ChunkConfig, step_of):
         "o": _seq_spec(cfg.value_dim, bv, rows, step_of),
         "dv": _seq_spec(cfg.value_dim, bv, rows, step_of),
         # Per-head gate sums as a column [B, H, T, 1] and as rows [B, H, N, 1, C]; the delta
-        # rule's beta, its cotangent and the per-head gate sums' cotangent as columns.
-        "bcol": column, "beta": column, "dbeta": column, "dbcol": column, "gcol": column,
+        # rule's beta, its cotangent and the per-head gate sums' cotangent (in two parts) as
+        # columns.
+        "bcol": column, "beta": column, "dbeta": column, "dbcol": column,
+        "dbcol_forward": column, "gcol": column,
         "brow": pl.BlockSpec((None, None, g, 1, c),
                              lambda bi, hi, vi, ni: (bi, hi, step_of(ni), 0, 0)),
         "grow": pl.BlockSpec((None, None, g, 1, c),

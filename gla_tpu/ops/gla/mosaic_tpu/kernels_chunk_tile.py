@@ -335,7 +335,7 @@ def prev_state_grad(q, gate, seg, dst, do_scaled, dt):
     return carry_state(dst, gate, seg) + _dot(do_scaled, carried_queries(q, gate, seg), "tn", dt)
 
 
-def backward(q, k, v, gate, seg, do_scaled, st, dst, dt, profiler_safe=False):
+def backward(q, k, v, gate, seg, do_scaled, st, dst, dt, profiler_safe=False, key_parts=False):
     """One chunk's gradients from its tokens, the entering state ST [bv, K] and the cotangent
     dST [bv, K] of the leaving state; do_scaled = scale * dO, [C, bv] float32.
 
@@ -344,7 +344,10 @@ def backward(q, k, v, gate, seg, do_scaled, st, dst, dt, profiler_safe=False):
     (the leaving state's keys) + <keep * ST * exp(b_last), dST> over V (the carried state). Both
     use the very values that enter dk, so the last token's k * dk_state cancels exactly in db.
     db (per-key gates) = q*dq - k*dk with edge at the last token, its intra-chunk pairs summed
-    as `_intra_per_key` says.
+    as `_intra_per_key` says. key_parts: also return (pair_db, dq_inter, dk_state, carry_edge)
+    for a caller that builds a per-head db by parts (the delta rule's): pair_db [C, C] = dA * A
+    off the diagonal (pair (i, j) adds it to db_i and takes it from db_j), the entering state's
+    share of dq and the leaving state's of dk [C, K], the carried state's share of edge [1, K].
     """
     c = q.shape[0]
     mask = pair_mask(c, seg)
@@ -360,9 +363,13 @@ def backward(q, k, v, gate, seg, do_scaled, st, dst, dt, profiler_safe=False):
     dk = dk + dk_state
     dv = _dot(scores, do_scaled, "tn", dt) + _dot(k_tail, dst, "nt", dt)
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-    edge = (jnp.sum(kf * dk_state, axis=0, keepdims=True)
-            + jnp.sum(carry_state(st, gate, seg) * dst, axis=0, keepdims=True))
+    carry_edge = jnp.sum(carry_state(st, gate, seg) * dst, axis=0, keepdims=True)
+    edge = jnp.sum(kf * dk_state, axis=0, keepdims=True) + carry_edge
     if db is not None:
         db = db + qf * dq_inter - kf * dk_state
         db = db + jnp.where(_iota((c, 1), 0) == c - 1, edge, 0.0)
+    if key_parts:
+        off_diagonal = _iota((c, c), 0) != _iota((c, c), 1)
+        pair_db = jnp.where(off_diagonal, d_scores * scores, 0.0)
+        return dq, dk, dv, edge, db, (pair_db, dq_inter, dk_state, carry_edge)
     return dq, dk, dv, edge, db
