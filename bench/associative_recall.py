@@ -13,6 +13,10 @@ optax (`gla_tpu.layers.training.adamw`), which the `train`, `bench` and `test` e
 
     python bench/associative_recall.py      # default: ~220 CPU-seconds, ~4 min on a 2-core CPU
     python bench/associative_recall.py --steps 200 --kinds softmax gla --json /tmp/r.json
+    python bench/associative_recall.py --preset zoology --out DIR   # the Zoology study on a GPU
+
+`--preset zoology` runs `bench.mqar_study` (T 256 and 512, 16-64 pairs, vocabulary 8192, widths
+64-256, a learning-rate sweep, every kind and a hybrid); the arguments after it are that module's.
 """
 
 from __future__ import annotations
@@ -210,6 +214,8 @@ def format_table(results, task: Task, args) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=("zoology",),
+                   help="run bench.mqar_study instead, with the arguments that follow")
     p.add_argument("--kinds", nargs="+", default=list(block.ATTENTION_KINDS),
                    choices=block.ATTENTION_KINDS)
     p.add_argument("--num-keys", type=int, default=32)
@@ -240,6 +246,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--preset" in argv:
+        i = argv.index("--preset")
+        if argv[i + 1 : i + 2] != ["zoology"]:
+            raise SystemExit(f"--preset takes 'zoology'; got {argv[i + 1 : i + 2]}")
+        # Run as a file, this script's directory is on sys.path; the study imports `bench.`.
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from bench import mqar_study
+
+        return mqar_study.main(argv[:i] + argv[i + 2 :])
     args = parse_args(argv)
     task = Task(args.num_keys, args.num_values, args.num_pairs, args.num_queries)
     start = time.perf_counter()

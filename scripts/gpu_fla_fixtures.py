@@ -58,31 +58,50 @@ def _draw(model, seed):
             p.copy_(value.to(p.dtype))
 
 
-def main(out):
+def patch_flash_attn():
+    """fla's softmax attention layer calls flash_attn_func: our stand-in takes its place."""
     import fla.layers.attn as fla_attn
 
     fla_attn.flash_attn_func = _attention
-    from fla.models import (DeltaNetConfig, GatedDeltaNetConfig, GLAConfig, KDAConfig)
+
+
+def model_configs(hidden_size=64, vocab_size=256, num_heads=2, head_dim=32, window_size=16):
+    """The four fla configs {name: config}; the defaults are the fixtures' (tiny) models. The
+    hybrid's softmax layer has 4 heads, 2 kv heads (head_dim hidden_size // 4)."""
+    from fla.models import DeltaNetConfig, GatedDeltaNetConfig, GLAConfig, KDAConfig
+
+    common = dict(hidden_size=hidden_size, vocab_size=vocab_size, fuse_norm=False,
+                  fuse_swiglu=False, fuse_cross_entropy=False, tie_word_embeddings=False)
+    return {
+        "gla": GLAConfig(num_hidden_layers=2, num_heads=num_heads, use_short_conv=True, **common),
+        "gated_deltanet": GatedDeltaNetConfig(
+            num_hidden_layers=3, num_heads=num_heads, num_v_heads=2 * num_heads,
+            head_dim=head_dim, expand_v=1.0,
+            attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": window_size},
+            **common),
+        "kda": KDAConfig(num_hidden_layers=2, num_heads=num_heads, head_dim=head_dim, **common),
+        "delta_net": DeltaNetConfig(num_hidden_layers=2, num_heads=num_heads, **common),
+    }
+
+
+def build(config, i):
+    """fla's float32 model of `config` with unit-scale weights (seeds i and 100 + i), on the GPU,
+    in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    common = dict(hidden_size=64, vocab_size=256, fuse_norm=False, fuse_swiglu=False,
-                  fuse_cross_entropy=False, tie_word_embeddings=False)
-    models = {
-        "gla": GLAConfig(num_hidden_layers=2, num_heads=2, use_short_conv=True, **common),
-        "gated_deltanet": GatedDeltaNetConfig(
-            num_hidden_layers=3, num_heads=2, num_v_heads=4, head_dim=32, expand_v=1.0,
-            attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "window_size": 16},
-            **common),
-        "kda": KDAConfig(num_hidden_layers=2, num_heads=2, head_dim=32, **common),
-        "delta_net": DeltaNetConfig(num_hidden_layers=2, num_heads=2, **common),
-    }
+    torch.manual_seed(i)
+    model = AutoModelForCausalLM.from_config(config).float()
+    _draw(model, seed=100 + i)
+    return model.cuda().eval()
+
+
+def main(out):
+    patch_flash_attn()
+    models = model_configs()
     gen = torch.Generator(device="cpu").manual_seed(0)
     summary = {}
     for i, (name, config) in enumerate(models.items()):
-        torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_config(config).float()
-        _draw(model, seed=100 + i)
-        model = model.cuda().eval()
+        model = build(config, i)
         folder = os.path.join(out, name)
         model.save_pretrained(folder, safe_serialization=True)
         for t in (40,) if name == "delta_net" else (40, 100):
