@@ -105,11 +105,19 @@ CASES = {
 }
 
 
+# --full only: the longest window cases and the bfloat16 soft cap (the windowed ring, the TPU
+# compile checks and the GPU interpret tests keep windows at D = 128 and soft caps in the
+# default run).
+CASES_FULL_ONLY = ("window-causal-d128-bf16", "window-narrow-long", "softcap-causal-gqa-bf16")
+
+
 def _params():
     for name, (case, dtype, tiles) in CASES.items():
+        marks = [pytest.mark.xdist_group(name)]
+        if name in CASES_FULL_ONLY:
+            marks.append(pytest.mark.full)
         for backend in BACKENDS:
-            yield pytest.param(backend, case, dtype, tiles, id=f"{name}-{backend}",
-                               marks=pytest.mark.xdist_group(name))
+            yield pytest.param(backend, case, dtype, tiles, id=f"{name}-{backend}", marks=marks)
 
 
 @pytest.mark.parametrize("backend,case,dtype,tiles", list(_params()))

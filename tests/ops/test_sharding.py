@@ -289,6 +289,8 @@ def test_context_parallel_gla_matches_unsharded_xla(layout, gate):
                segments=_boundary_segments() if gate == "key" else None)
 
 
+@pytest.mark.full  # the context-parallel composition is the xla tests' above; the kernels' own
+# initial-state path is tests/ops/test_gla.py's
 def test_context_parallel_gla_matches_unsharded_mosaic_tpu():
     """mode "chunk"; the other modes differ only in the per-device call (xla runs
     fused_recurrent in test_context_parallel_gla_fused_recurrent_xla)."""
