@@ -2,7 +2,9 @@
 # One call on a lent GPU machine (docs/layers.md, "The MQAR study"): the Zoology MQAR study, one
 # shard per GPU, each starting configurations until LIMIT seconds have passed; with `fla` also
 # the in-process comparison of fla's models and ours (scripts/gpu_fla_compare.py) on the last GPU.
-# Carry .whl (fla-core, flash-linear-attention, optax, absl-py wheels). Results: $OUT/mqar/.
+# Carry .whl (fla-core, flash-linear-attention, optax, absl-py wheels). Results: every shard's
+# JSON and log, the merged table and plot in $OUT/mqar_run.tgz (the device tool returns only a few
+# files a call), the table also as $OUT/mqar_study.md.
 #
 #   bash scripts/gpu_mqar_study.sh [fla] [-- extra bench.mqar_study arguments]
 set -uo pipefail
@@ -31,5 +33,6 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 python3 -m bench.mqar_study --merge "$out/mqar" > "$out/mqar/merge.log" 2>&1
 grep -h "Error\|error" "$out"/mqar/shard*.log | head -20
-tar czf "$out/logs.tgz" -C "$out" --remove-files $(cd "$out" && ls mqar/shard*.log fla_compare.log 2>/dev/null)
-tail -n 60 "$out/mqar/merge.log"
+cp "$out/mqar/mqar_study.md" "$out/" 2>/dev/null
+tar czf "$out/mqar_run.tgz" -C "$out" --remove-files mqar $(cd "$out" && ls fla_compare.log 2>/dev/null)
+tail -n 60 "$out/mqar_study.md"
