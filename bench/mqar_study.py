@@ -32,16 +32,15 @@ import json
 import os
 import platform
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bench.associative_recall import learning_rate
+from bench.associative_recall import learning_rate, loss_and_accuracy
 from gla_tpu.layers import block, lm, training
-from gla_tpu.ops.common.backends import BackendFallbackWarning
+from gla_tpu.ops.common.backends import record_fallbacks
 
 VOCAB = 8192
 HEAD_DIM = 64
@@ -100,13 +99,6 @@ def model_config(kind: str, width: int, args) -> lm.Config:
                      layer_pattern=pattern)
 
 
-def loss_and_accuracy(params, inputs, targets, weights, cfg):
-    logits, _ = lm.apply(params, inputs, cfg)
-    loss = lm.cross_entropy(logits, targets, weights)
-    hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weights
-    return loss, jnp.sum(hits) / jnp.sum(weights)
-
-
 def training_batch(key, seq_len: int, args):
     """`--rows-per-count` rows of each pair count of `--pairs`, concatenated."""
     parts = [mqar_batch(k, rows=args.rows_per_count, seq_len=seq_len, num_pairs=p)
@@ -155,8 +147,7 @@ def run_configuration(kind: str, width: int, seq_len: int, args) -> dict:
     tx, run = make_trainer(cfg, seq_len, args)
     chunks = args.steps // args.chunk
     record = {"kind": kind, "width": width, "seq_len": seq_len, "runs": [], "fallbacks": []}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", BackendFallbackWarning)
+    with record_fallbacks() as fallbacks:
         for peak in args.lrs:
             params = lm.init(jax.random.key(args.seed), cfg)
             opt_state = tx.init(params)
@@ -182,8 +173,7 @@ def run_configuration(kind: str, width: int, seq_len: int, args) -> dict:
                   f"acc {record['runs'][-1]['mean_accuracy']:.3f} {accuracy} "
                   f"({first_s:.0f} s first chunk, "
                   f"{record['runs'][-1]['ms_per_step']:.1f} ms/step)", flush=True)
-    record["fallbacks"] = sorted({str(w.message) for w in caught
-                                  if issubclass(w.category, BackendFallbackWarning)})
+    record["fallbacks"] = sorted(set(fallbacks))
     record["best"] = max(record["runs"], key=lambda r: r["mean_accuracy"])
     return record
 

@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 import numpy as np
@@ -71,17 +70,14 @@ def ours(folder, tokens):
 
     logits, fallbacks = {}, set()
     for dtype, key in (("float32", "ours_f32"), ("bfloat16", "ours_bf16")):
-        backends._warned.clear()  # warn_once is per process: each load reports its own fallbacks
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with backends.record_fallbacks() as messages:
             cfg, params = fla_checkpoint.from_fla(folder, dtype=dtype, backend="auto")
             apply = jax.jit(functools.partial(lm.apply, config=cfg))
             highest = jax.default_matmul_precision("highest") if dtype == "float32" else None
             with highest or contextlib.nullcontext():
                 out, _ = apply(params, jnp.asarray(tokens, jnp.int32))
             logits[key] = np.asarray(out.astype(jnp.float32))
-        fallbacks |= {str(w.message) for w in caught
-                      if issubclass(w.category, backends.BackendFallbackWarning)}
+        fallbacks |= set(messages)
     candidate = backends.kernel_backend_for_platform(backends.default_platform())
     fallen = {m.split(":")[0] for m in fallbacks}  # "<op name>: backend='auto' falls back ..."
     ops = sorted({OPS.get(kind, "delta_rule") for kind in cfg.layer_kinds})

@@ -195,6 +195,9 @@ def test_auto_falls_back_to_xla_once_with_reason(monkeypatch, platform, kernel):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ops.flash_attention(X48, X48, X48)  # the same reason warns only once
+    with backends.record_fallbacks() as messages:  # but a recorder sees every fallback
+        ops.flash_attention(X48, X48, X48)
+    assert len(messages) == 1 and f"from '{kernel}' to 'xla'" in messages[0]
 
 
 # A head dim each Pallas backend refuses (docs/api.md lists what each takes).

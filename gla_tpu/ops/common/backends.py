@@ -9,6 +9,7 @@ falls back to "xla" with a one-time warning on that platform, and naming the bac
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import warnings
@@ -34,6 +35,7 @@ FAMILY_BACKENDS = {
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
+_recorders: list[list[str]] = []  # open `record_fallbacks` contexts
 
 
 class BackendFallbackWarning(UserWarning):
@@ -85,8 +87,25 @@ def kernel_backend_for_platform(platform: str) -> str:
     return _PLATFORM_KERNEL.get(platform, XLA)
 
 
+@contextlib.contextmanager
+def record_fallbacks():
+    """Yields a list that receives the message of every "auto" fallback resolved inside the
+    context, also those already warned about earlier in the process (what a benchmark records
+    beside each of its results)."""
+    messages: list[str] = []
+    with _warned_lock:
+        _recorders.append(messages)
+    try:
+        yield messages
+    finally:
+        with _warned_lock:
+            _recorders.remove(messages)
+
+
 def warn_once(message: str) -> None:
     with _warned_lock:
+        for messages in _recorders:
+            messages.append(message)
         if message in _warned:
             return
         _warned.add(message)
