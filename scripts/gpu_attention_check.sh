@@ -9,19 +9,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts="${1:?name the parts: tests, window (comma-separated)}"
-out="${OUT:?set OUT (the device tool does)}"
-work="$(mktemp -d)"
-export PYTHONPATH="$PWD" JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
-summary="$work/attention_check.txt"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
-
-step() {  # name, seconds, command...
-  local name=$1 limit=$2
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1
-  echo "$name: rc=$? ($((SECONDS - start)) s)" >> "$summary"
-}
+source scripts/_gpu_check.sh
+gpu_check_setup attention_check
 
 if [[ ",$parts," == *",tests,"* ]]; then
   step tests "${TESTS_LIMIT:-330}" python3 -m pytest tests/backends/test_pallas_gpu_attention.py \
@@ -37,6 +26,4 @@ for table in "$work"/*.md; do
   [ -e "$table" ] && { echo "== $(basename "$table")"; sed -n '/^```$/,/^```$/p' "$table"; } \
     >> "$summary"
 done
-tar czf "$out/attention_check.tgz" -C "$work" .
-cp "$summary" "$out/attention_check.txt"
-cat "$summary"
+gpu_check_finish attention_check

@@ -23,22 +23,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts="${1:?name the parts: tests, kernels, options, side_k256, side_jla or side (comma-separated)}"
-out="${OUT:?set OUT (the device tool does)}"
-work="$(mktemp -d)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/*.whl || exit 3
-export PYTHONPATH="/tmp/site:$PWD" JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
-export TRITON_CACHE_DIR="$PWD/_tc"
-summary="$work/gla_check.txt"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
-
-step() {  # name, seconds, command...
-  local name=$1 limit=$2
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1
-  echo "$name: rc=$? ($((SECONDS - start)) s)" >> "$summary"
-}
+source scripts/_gpu_check.sh
+gpu_check_setup gla_check peers
 
 if [[ ",$parts," == *",tests,"* ]]; then
   step tests 540 python3 -m pytest tests/backends/test_pallas_gpu_gla.py \
@@ -88,6 +74,4 @@ for table in "$work"/*.md; do
 done
 # fla's autotune results (tc/ mirrors _tc/), for the next call: copy tc/ to _tc/, carry _tc
 mkdir -p "$work/tc" && (cd _tc && find . -name '*.autotune.json' -exec cp --parents {} "$work/tc/" \;) 2>/dev/null
-tar czf "$out/gla_check.tgz" -C "$work" .
-cp "$summary" "$out/gla_check.txt"
-cat "$summary"
+gpu_check_finish gla_check

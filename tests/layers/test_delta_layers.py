@@ -386,17 +386,24 @@ def test_gradients_finite_and_reach_every_parameter(name, backend):
             assert err <= FLOAT32_MAX_RELATIVE_RMS, f"{jax.tree_util.keystr(path)}: {err:.2e}"
 
 
-@pytest.mark.parametrize("kind", DELTA_KINDS)
-def test_pallas_gpu_delta_rule_is_named_not_yet_available(kind):
-    """The delta rule has no pallas_gpu kernels yet: a delta-rule layer on that backend raises
-    the op's NotImplementedError, which names the backend and the one that takes it."""
+# --full: the kinds but DeltaNet (the op's own tests cover each gate kind in the interpreter)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k == "deltanet" else pytest.mark.full)
+                                  for k in DELTA_KINDS])
+def test_pallas_gpu_delta_rule_takes_16_bit_layers(kind):
+    """The delta rule's pallas_gpu kernels (the Mosaic GPU interpreter here) take a delta-rule
+    layer in bfloat16, computing what "xla" computes in bfloat16; in float32 they refuse with the
+    op's NotImplementedError, which names the backend that takes it."""
     _, cfg = KERNEL_CONFIGS[kind]
     _, params, x = _setup(kind, cfg)
     cfg = dataclasses.replace(cfg, backend="pallas_gpu", interpret=True)
-    with pytest.raises(NotImplementedError,
-                       match="'pallas_gpu' backend is not yet available for delta_rule; "
-                             "backend='xla' takes it"):
+    with pytest.raises(NotImplementedError, match="the 'pallas_gpu' delta_rule takes bfloat16, "
+                                                  "float16 q, k, v; got float32.*'xla' takes it"):
         jax.eval_shape(functools.partial(MODULES[kind].apply, config=cfg), params, x)
+    x16 = x.astype(jnp.bfloat16)
+    got = MODULES[kind].apply(params, x16, config=cfg)[0]
+    want = MODULES[kind].apply(params, x16, config=_on_xla(cfg))[0]
+    assert got.dtype == jnp.bfloat16
+    assert relative_rms_error(got, want) <= 2e-2
 
 
 def test_initialization_follows_fla():

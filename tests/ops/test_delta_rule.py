@@ -5,8 +5,8 @@ checked against the NumPy references in test_delta_rule_references.py).
 The "xla" backend has no baseline below it: it is held to the fixed bounds of
 tolerance.XLA_MAX_RELATIVE_RMS (float32: 1e-5 relative RMS error) for outputs, final state and
 every gradient (dq, dk, dv, dbeta, dg, d initial_state) through one scalar loss. "mosaic_tpu" is
-held to the pass rule against "xla" on the same inputs. "pallas_gpu" is planned: "auto" runs
-"xla" on a GPU and naming it raises.
+held to the pass rule against "xla" on the same inputs. "pallas_gpu" has its own file
+(tests/backends/test_pallas_gpu_delta_rule.py).
 """
 
 from __future__ import annotations
@@ -357,13 +357,6 @@ def test_auto_on_cpu_runs_xla_without_warning():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_pallas_gpu_is_not_yet_available():
-    with pytest.raises(NotImplementedError,
-                       match="'pallas_gpu' backend is not yet available for delta_rule; "
-                             "backend='xla' takes it"):
-        ops.delta_rule(X, X, X, BETA, backend="pallas_gpu", interpret=True)
-
-
 X64 = jnp.ones((1, 32, 1, 64), jnp.float32)
 BETA64 = jnp.full((1, 32, 1), 0.5, jnp.float32)
 
@@ -382,7 +375,7 @@ def test_mosaic_tpu_refuses_what_it_cannot_take(x, kwargs, reason):
 
 @pytest.mark.parametrize("platform,kernel,why", [
     ("tpu", "mosaic_tpu", "takes K 64, 128, 256"),
-    ("gpu", "pallas_gpu", "not yet available for delta_rule")])
+    ("gpu", "pallas_gpu", "takes bfloat16, float16")])
 def test_auto_on_tpu_and_gpu_warns_once_and_runs_xla(monkeypatch, platform, kernel, why):
     monkeypatch.setattr(backends, "default_platform", lambda: platform)
     monkeypatch.setattr(backends, "_warned", set())

@@ -146,7 +146,7 @@ DELTA_RULE_BAD = [
     ({"backend": "triton"}, ValueError, r"backend must be one of .*'triton'"),
     ({"backend": "xla", "block_sizes": object()}, NotImplementedError, r"'xla' backend takes None"),
     ({"backend": "mosaic_tpu"}, NotImplementedError, r"the 'mosaic_tpu' delta_rule takes K 64, 128, 256; got K=32. backend='xla' takes it"),
-    ({"backend": "pallas_gpu"}, NotImplementedError, r"'pallas_gpu' backend is not yet available for delta_rule; backend='xla' takes it"),
+    ({"backend": "pallas_gpu"}, NotImplementedError, r"the 'pallas_gpu' delta_rule takes bfloat16, float16 q, k, v; got float32. backend='xla' takes it"),
 ]
 
 

@@ -30,7 +30,7 @@ _PLATFORM_KERNEL = {"tpu": MOSAIC_TPU, "gpu": PALLAS_GPU, "cuda": PALLAS_GPU}
 FAMILY_BACKENDS = {
     "attention": (MOSAIC_TPU, PALLAS_GPU, XLA),
     "gla": (MOSAIC_TPU, PALLAS_GPU, XLA),
-    "delta_rule": (MOSAIC_TPU, XLA),
+    "delta_rule": (MOSAIC_TPU, PALLAS_GPU, XLA),
 }
 
 _warned: set[str] = set()

@@ -68,9 +68,10 @@ def delta_rule(
         does not depend on it beyond rounding.
       block_sizes: the backend's BlockSizes (performance only); None for "xla".
       backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla". "mosaic_tpu" runs both modes (and a
-        T = 1 decode kernel) at K, V in {64, 128, 256} in bfloat16 or float32; "auto" runs it
-        on a TPU where it takes the problem and "xla" elsewhere (with a one-time warning on a
-        TPU or GPU); "pallas_gpu" is not yet available (NotImplementedError).
+        T = 1 decode kernel) at K, V in {64, 128, 256} in bfloat16 or float32; "pallas_gpu"
+        runs mode "chunk" on a Hopper GPU at K <= 128 in bfloat16 or float16; "auto" runs the
+        platform's kernel backend where it takes the problem and "xla" elsewhere (with a
+        one-time warning on a TPU or GPU).
       interpret: run a Pallas backend in interpret mode on CPU.
       sharding: None, or a `jax.sharding.NamedSharding` for q's [B, T, H, K] layout whose spec
         splits the batch and/or head dims (v, beta, g follow with their HV heads, so each

@@ -23,6 +23,7 @@ the WY products, the state pass and the outputs; the inverse of I + A stays in f
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,31 +63,41 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
     del block_sizes, interpret
     b, t, h, kd = q.shape
     grp, vd = problem.group, problem.value_dim
-    cd = state_dtype(problem.dtype)
-    q, k = q.astype(cd), k.astype(cd)
-    if problem.use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    v_ = v.astype(cd).reshape(b, t, h, grp, vd)
-    beta = beta.astype(cd).reshape(b, t, h, grp)
-    # Gates as [B, T, H, G, Kg], Kg = K (per key) or 1 (per head), or None (DeltaNet).
-    gates = None if g is None else g.astype(cd).reshape(b, t, h, grp, -1)
     starts = None if segment_ids is None else token_starts(segment_index(segment_ids))  # [B, T]
     s0 = None if initial_state is None else initial_state.reshape(b, h, grp, kd, vd)
     with jax.named_scope(f"delta_rule_xla_{problem.mode}"):
         if problem.mode == "fused_recurrent":
+            q, k, v_, beta, gates = grouped_inputs(q, k, v, beta, g, None, problem)
             o, final = _recurrent(q, k, v_, beta, gates, s0, starts, problem.scale)
         else:
-            if starts is not None:
-                # A segment start drops the state before it: a gate at the floor on every key.
-                if gates is None:
-                    gates = jnp.zeros((b, t, h, grp, 1), cd)
-                gates = jnp.where(starts[:, :, None, None, None], GATE_FLOOR, gates)
+            q, k, v_, beta, gates = grouped_inputs(q, k, v, beta, g, starts, problem)
             o, final = _chunked(q, k, v_, beta, gates, s0, problem.scale, problem.chunk_size,
                                 problem.dtype)
     o = o.reshape(b, t, h * grp, vd).astype(v.dtype)
     if not problem.output_final_state:
         return o, None
     return o, final.reshape(b, h * grp, kd, vd)
+
+
+def grouped_inputs(q, k, v, beta, g, starts, problem):
+    """The inputs in the compute dtype (float32 for 16-bit inputs), q and k l2-normalized where
+    asked, v [B, T, H, G, V], beta [B, T, H, G], gates [B, T, H, G, Kg] (Kg = K per key, 1 per
+    head) or None (DeltaNet). With `starts` ([B, T] bool), a segment start drops the state
+    before it: a gate at the floor on every key (per head, 1)."""
+    b, t, h, _ = q.shape
+    grp, vd = problem.group, problem.value_dim
+    cd = state_dtype(problem.dtype)
+    q, k = q.astype(cd), k.astype(cd)
+    if problem.use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    v = v.astype(cd).reshape(b, t, h, grp, vd)
+    beta = beta.astype(cd).reshape(b, t, h, grp)
+    gates = None if g is None else g.astype(cd).reshape(b, t, h, grp, -1)
+    if starts is not None:
+        if gates is None:
+            gates = jnp.zeros((b, t, h, grp, 1), cd)
+        gates = jnp.where(starts[:, :, None, None, None], GATE_FLOOR, gates)
+    return q, k, v, beta, gates
 
 
 def _recurrent(q, k, v, beta, gates, s0, starts, scale):
@@ -112,29 +123,42 @@ def _recurrent(q, k, v, beta, gates, s0, starts, scale):
     return jnp.moveaxis(o, 0, 1) * scale, state  # [B, T, H, G, V], [B, H, G, K, V]
 
 
-def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
+class ChunkOperands(NamedTuple):
+    """The per-chunk operands of the chunked WY form, every chunk in parallel (no state): the
+    state pass's inputs. Layout [B, H, G, N, C, .] (G value heads per q/k head; 1 where an
+    operand is the same for all G, broadcast), compute dtype."""
+
+    q_in: jax.Array  # q e^b                                            [B, H, G|1, N, C, K]
+    k_out: jax.Array  # k e^(b_last - b)                                [B, H, G|1, N, C, K]
+    scores: jax.Array  # M_ij = q_i k_j e^(b_i - b_j), j <= i, else 0   [B, H, G|1, N, C, C]
+    w: jax.Array  # (I + A)^-1 beta k_in                                [B, H, G, N, C, K]
+    u0: jax.Array  # (I + A)^-1 beta v                                  [B, H, G, N, C, V]
+    last: jax.Array | None  # b_last, the chunk's summed log gates      [B, H, G, N, Kg]
+
+
+def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
+    """q, k [B, Tp, H, K], v [B, Tp, H, G, V], beta [B, Tp, H, G], gates [B, Tp, H, G, Kg] or
+    None, Tp a multiple of c, all in the compute dtype -> the ChunkOperands; products on operands
+    rounded to `input_dtype` (the inverse of I + A in the compute dtype)."""
     b, t, h, kd = q.shape
     rnd = functools.partial(_rounded, dtype=input_dtype)
     grp, vd = v.shape[3], v.shape[4]
-    # Padding tokens (beta = 0, g = 0, zero q, k, v) leave the state unchanged: sliced off below.
-    q, k, v, beta = (pad_time(x, c) for x in (q, k, v, beta))
-    n = q.shape[1] // c
+    n = t // c
     # [B, H, 1, N, C, K]: q and k broadcast over the G value heads of their head
     qc, kc = (x.reshape(b, n, c, h, 1, kd).transpose(0, 3, 4, 1, 2, 5) for x in (q, k))
     vc = v.reshape(b, n, c, h, grp, vd).transpose(0, 3, 4, 1, 2, 5)  # [B, H, G, N, C, V]
     betac = beta.reshape(b, n, c, h, grp).transpose(0, 3, 4, 1, 2)  # [B, H, G, N, C]
 
     if gates is None:
-        q_in = k_in = k_out = None
-        decay = None
+        q_in = k_in = k_out = last = None
         scores, kk = _products(rnd(qc), rnd(kc))  # [B, H, 1, N, C, C]
     else:
         kg = gates.shape[-1]
-        gc = pad_time(gates, c).reshape(b, n, c, h, grp, kg).transpose(0, 3, 4, 1, 2, 5)
+        gc = gates.reshape(b, n, c, h, grp, kg).transpose(0, 3, 4, 1, 2, 5)
         entry, tail = _entry_and_tail_sums(gc)  # [B, H, G, N, C, Kg] each
-        # q_in = q e^b, k_in = k e^b, k_out = k e^(b_last - b), decay = e^b_last: exponents <= 0
+        # q_in = q e^b, k_in = k e^b, k_out = k e^(b_last - b): exponents <= 0
         q_in, k_in, k_out = qc * jnp.exp(entry), kc * jnp.exp(entry), kc * jnp.exp(tail)
-        decay = jnp.exp(entry[..., -1, :])  # [B, H, G, N, Kg]
+        last = entry[..., -1, :]  # [B, H, G, N, Kg]
         if kg == 1:
             scores, kk = _products(rnd(qc), rnd(kc))
             pair = _pair_decays(gc[..., 0])  # [B, H, G, N, C, C]: exp(b_i - b_j), j <= i
@@ -153,10 +177,22 @@ def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
                                               unit_diagonal=True)
     u0 = _einsum("...ij,...jv->...iv", rnd(inverse), rnd(betac[..., None] * vc))
     w = _einsum("...ij,...jk->...ik", rnd(inverse), rnd(betac[..., None] * k_in))
+    return ChunkOperands(qc if q_in is None else q_in, kc if k_out is None else k_out, scores,
+                         w, u0, last)
+
+
+def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
+    b, t, h, kd = q.shape
+    rnd = functools.partial(_rounded, dtype=input_dtype)
+    grp, vd = v.shape[3], v.shape[4]
+    # Padding tokens (beta = 0, g = 0, zero q, k, v) leave the state unchanged: sliced off below.
+    q, k, v, beta = (pad_time(x, c) for x in (q, k, v, beta))
+    gates = None if gates is None else pad_time(gates, c)
+    n = q.shape[1] // c
+    q_in, k_out, scores, w, u0, last = chunk_operands(q, k, v, beta, gates, c, input_dtype)
+    decay = None if last is None else jnp.exp(last)  # [B, H, G, N, Kg]
 
     # The states, chunk after chunk: only u = u0 - w S waits for the state.
-    k_out = kc if k_out is None else k_out
-
     def step(state, xs):
         w_n, u0_n, k_out_n, decay_n = xs  # [B, H, G, C, K], [B, H, G, C, V], ..., [B, H, G, Kg]
         u = u0_n - _einsum("bhgck,bhgkv->bhgcv", rnd(w_n), rnd(state))
@@ -170,7 +206,6 @@ def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
     states, u = jnp.moveaxis(states, 0, 3), jnp.moveaxis(u, 0, 3)  # [B, H, G, N, K|C, V]
 
     # The outputs: o = scale (q_in S_n + M u), GLA's with v replaced by the new values u.
-    q_in = qc if q_in is None else q_in
     o = (_einsum("bhgnck,bhgnkv->bhgncv", rnd(q_in), rnd(states))
          + _einsum("bhgnij,bhgnjv->bhgniv", rnd(scores), rnd(u)))
     o = o.transpose(0, 3, 4, 1, 2, 5).reshape(b, n * c, h, grp, vd)[:, :t]
@@ -178,9 +213,14 @@ def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
 
 
 def _rounded(x, dtype):
-    """x rounded to the input dtype and back: a matrix product's operand, as the kernels take it
-    (identity for float32 and float64 inputs)."""
-    return x.astype(dtype).astype(x.dtype)
+    """x rounded to the input dtype (kept in x's): a matrix product's operand, as the kernels take
+    it (identity for float32 and float64 inputs). By reduce_precision, not a round trip of
+    casts: XLA on GPU may drop a cast pair (excess precision), and the baseline would then round
+    some products and not others."""
+    if jnp.dtype(dtype).itemsize >= x.dtype.itemsize:
+        return x
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _order(n, relation):

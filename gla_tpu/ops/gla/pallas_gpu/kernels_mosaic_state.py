@@ -19,6 +19,16 @@ or d initial_state (reversed), float32. w S takes S in its high 16-bit part (Pas
 what ops.gla runs by default: the state rounded to the input dtype, as XLA's chunked baseline
 rounds it) or in both parts, which keeps the inter-chunk product float32-accurate.
 
+Delta (Pass.delta, the chunked delta rule of docs/delta_rule_math.md; one more input w_neg =
+-w [C, K], the WY representation's w negated). Forward, with y = u0:
+
+    u   = u0 + w_neg S                                 (S in the parts w S takes)    [C, block_v]
+    out = w S + A u,   S <- exp(b_last) S + x^T u,     u stored per chunk
+
+Reversed, with y = do, x = q_in, w = k_out and A the scores: out = du = w S + A^T y as above, then
+S <- exp(b_last) S + x^T y + w_neg^T du. The value columns stay separable (u's columns read only
+S's), so the value tiles split the delta rule as they split GLA; the keys do not (groups = 1).
+
 K above 128 runs as G groups of 128 keys (virtual heads; the state is separable by key, out is
 the sum of the groups' outs). One block walks its head's groups one after another, each over all
 chunks: group g adds its out to the float32 sum of the groups before it, which group g - 1 wrote
@@ -79,6 +89,10 @@ class Pass:
     # 16-bit parts of S that w S takes (outputs): 2 (hi and lo, float32-accurate), or 1 (hi;
     # BlockSizes.mosaic_output_parts, whose default is 1)
     out_parts: int = 2
+    # the delta rule (ops.delta_rule's "pallas_gpu" chunk; module docstring, "Delta"): y is
+    # replaced per chunk by u = y + w_neg S (forward, y = u0) or, reversed, the update takes
+    # w_neg^T out as well; needs outputs, groups == 1
+    delta: bool = False
 
     @property
     def splits_state(self) -> bool:
@@ -87,8 +101,8 @@ class Pass:
         return self.store_parts == 2 or (self.outputs and self.out_parts == 2)
 
 
-def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p: Pass,
-               interpret):
+def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, w_neg=None,
+               p: Pass, interpret):
     """x [B, Tp, H, K], y [B, Tp, H / G, V] (16-bit), decay [B, N, H, K] float32 (b_last per
     chunk), s0 [B, H, K, V] float32 or None, w [B, Tp, H, K] and a [B, Tp, H, C] (p.outputs),
     h_parts (p.term_parts [B, N, H, K, V] 16-bit arrays, p.state_term), h_first [B, H, K, V]
@@ -97,10 +111,12 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
     p.groups per head of y. Every per-chunk array is chunk-major, so that segments of T fold into
     the batch by reshapes (vjp.py).
 
-    Returns, in this order, what `p` asks for: out [B, Tp, H / G, V] in x's dtype (outputs), the
-    stored parts of S per chunk ([B, N, H, K, V] each), the state term [B, N, H, V / block_v, K]
-    float32 (per value tile; the caller sums the tiles), and the last state [B, H, K, V]
-    float32."""
+    p.delta: w_neg [B, Tp, H, K] in x's dtype (the module docstring's "Delta").
+
+    Returns, in this order, what `p` asks for: out [B, Tp, H / G, V] in x's dtype (outputs), u
+    [B, Tp, H, V] in x's dtype (delta, forward), the stored parts of S per chunk
+    ([B, N, H, K, V] each), the state term [B, N, H, V / block_v, K] float32 (per value tile;
+    the caller sums the tiles), and the last state [B, H, K, V] float32."""
     bsz, tp, h, kd = x.shape
     vd = y.shape[-1]
     c, stages, dtype, groups = p.chunk, p.stages, x.dtype, p.groups
@@ -113,6 +129,9 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
     if y.shape[2] * groups != h:
         raise ValueError(f"x's {h} virtual heads must be y's {y.shape[2]} heads x {groups} groups")
     has_s0 = s0 is not None
+    if p.delta and (not p.outputs or groups != 1 or w_neg is None):
+        raise ValueError("Pass.delta needs outputs, groups == 1 and w_neg")
+    delta_u = p.delta and not p.reverse  # the forward writes u
     if p.state_term and len(h_parts) != p.term_parts:
         raise ValueError(f"{len(h_parts)} parts of h for Pass.term_parts={p.term_parts}")
     # the state term's first chunk from h_first (a 16-bit part alone there rounds an initial
@@ -131,9 +150,11 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
         refs = refs[3:]
         s0_ref = refs.pop(0) if has_s0 else None
         w_ref, a_ref = (refs.pop(0), refs.pop(0)) if p.outputs else (None, None)
+        wn_ref = refs.pop(0) if p.delta else None
         hp_refs = [refs.pop(0) for _ in h_names] if p.state_term else None
         first_ref = refs.pop(0) if exact_first else None
         o_ref = refs.pop(0) if p.outputs else None
+        u_ref = refs.pop(0) if delta_u else None
         partial_ref = refs.pop(0) if summed else None
         part_refs = [refs.pop(0) for _ in range(p.store_parts)]
         term_ref = refs.pop(0) if p.state_term else None
@@ -215,17 +236,32 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
                 decay = plgpu.load(scratch["decay"].at[slot], layout=ROW)
                 decayed = state * rows(jnp.exp(decay), state.shape)
                 x_s, y_s = scratch["x"].at[slot], scratch["y"].at[slot]
+                if delta_u:  # u = u0 + w_neg S replaces y
+                    u0 = plgpu.load(y_s, layout=plgpu.Layout.WGMMA).astype(F32)
+                    u = matmul([(scratch["w_neg"].at[slot], part) for part in parts[:p.out_parts]],
+                               (c, bv), interpret=interpret, init=u0)
+                    y_s = scratch["u"]
+                    y_s[...] = u.astype(dtype)
+                    plgpu.commit_smem()
                 if p.outputs:
                     a_s = scratch["a"].at[slot]
                     o = matmul([(scratch["w"].at[slot], part) for part in parts[:p.out_parts]]
                                + [(T(a_s) if p.reverse else a_s, y_s)], (c, bv),
                                interpret=interpret)
-                state = matmul([(T(x_s), y_s)], state.shape, interpret=interpret, init=decayed)
+                updates = [(T(x_s), y_s)]
+                if p.delta and p.reverse:  # the update's w_neg^T du, du = out
+                    scratch["u"][...] = o.astype(dtype)
+                    plgpu.commit_smem()
+                    updates.append((T(scratch["w_neg"].at[slot]), scratch["u"]))
+                state = matmul(updates, state.shape, interpret=interpret, init=decayed)
                 if interpret:  # jnp.dot read the slot through the generic proxy: order it
                     plgpu.commit_smem()  # before the TMA unit refills the slot
                 plgpu.barrier_arrive(scratch["free"].at[slot])
                 if p.outputs:
                     store_out(o, group, chunk)
+                if delta_u:
+                    plgpu.copy_smem_to_gmem(scratch["u"], out_tile(u_ref, chunk),
+                                            commit_group=False)
                 if p.store_parts or p.outputs or p.state_term:
                     plgpu.commit_smem_to_gmem_group()
                 return state
@@ -264,6 +300,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
                 if p.outputs:
                     copies += [(w_ref.at[batch, tokens, vhead], scratch["w"]),
                                (a_ref.at[batch, tokens, vhead], scratch["a"])]
+                if p.delta:
+                    copies.append((wn_ref.at[batch, tokens, vhead], scratch["w_neg"]))
                 if p.state_term:
                     copies += [(hp.at[batch, chunk, vhead, :, vcols], scratch[name])
                                for hp, name in zip(hp_refs, h_names)]
@@ -284,6 +322,9 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
         scratch_types["w"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
         scratch_types["a"] = plgpu.SMEM((stages, c, c), dtype, **tiled)
         scratch_types["o"] = plgpu.SMEM((c, bv), dtype, **tiled)
+    if p.delta:
+        scratch_types["w_neg"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
+        scratch_types["u"] = plgpu.SMEM((c, bv), dtype, **tiled)  # u, or du reversed
     if summed:
         scratch_types["partial"] = plgpu.SMEM(
             (c, bv), sum_dtype, **(tiled if p.sums_16bit else dict(transforms=SWIZZLED_F32)))
@@ -296,7 +337,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
         scratch_types["st_hi"] = plgpu.SMEM((kd, bv), dtype, **tiled)
         if p.splits_state:
             scratch_types["st_lo"] = plgpu.SMEM((kd, bv), dtype, **tiled)
-    loads = 3 + 2 * p.outputs + p.term_parts * p.state_term
+    loads = 3 + 2 * p.outputs + p.delta + p.term_parts * p.state_term
     scratch_types["ready"] = plgpu.Barrier(num_arrivals=loads, num_barriers=stages)
     scratch_types["free"] = plgpu.Barrier(num_barriers=stages)
     scratch_names = list(scratch_types)
@@ -306,6 +347,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
     out_type = []
     if p.outputs:
         out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), dtype))
+    if delta_u:
+        out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), dtype))
     if summed:
         out_type.append(jax.ShapeDtypeStruct((bsz, tp, heads, vd), sum_dtype))
     out_type += [parts_type] * p.store_parts
@@ -313,6 +356,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
         out_type.append(jax.ShapeDtypeStruct((bsz, n, h, vd // bv, kd), F32))
     out_type.append(jax.ShapeDtypeStruct((bsz, h, kd, vd), F32))
     name = "gla_dstate_mosaic" if p.reverse else "gla_state_mosaic"
+    if p.delta:
+        name = "delta_rule_dstate_mosaic" if p.reverse else "delta_rule_state_mosaic"
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -328,6 +373,8 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, p
     operands = [x, y, decay] + ([s0] if has_s0 else [])
     if p.outputs:
         operands += [w, a]
+    if p.delta:
+        operands.append(w_neg)
     if p.state_term:
         operands += list(h_parts)
     if exact_first:

@@ -1,0 +1,284 @@
+"""The delta rule on one GPU, in one process: ours ("pallas_gpu" and "xla"), jax-linear-attention's
+Mosaic GPU kernels and fla's Triton kernels, forward and forward+backward.
+
+    python3 bench/gpu_delta_rule.py --out OUT [--shapes 0,4] [--gates peer,kimi,strong]
+        [--betas sigmoid,2sigmoid] [--modes fwd,fwd+bwd] [--ours-only] [--no-xla] [--tag NAME]
+
+Inputs, as fla's op benchmarks draw them: q, k, v ~ N(0, 1) in bfloat16, q and k l2-normalized
+inside each op (fla's use_qk_l2norm_in_kernel, jla's and our use_qk_l2norm); beta and the log
+gates (float32) from BETAS and GATES, named in every record. Each peer's forward output is checked
+against ours (relative RMS <= 2e-2) before it is timed; one that fails or refuses is recorded with
+its error. Timing: bench/gpu_side_by_side.py's (JAX: 50 calls per sync, median of 7 repeats after
+warm-up; torch: triton.testing.do_bench). Writes OUT/<tag>.json (after every record) and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.gpu_side_by_side import (MATCH_TOLERANCE, _error, fwd_bwd, rel_err,  # noqa: E402
+                                    time_jax, time_torch, versions)
+from bench.harness import environment, format_table, write_json  # noqa: E402
+
+# (variant, B, T, H, HV, K, V): fla README's Gated DeltaNet shapes scaled to one GPU, Qwen3-Next's
+# GDN (grouped value heads), KDA, DeltaNet, and K = V = 64.
+SHAPES = [
+    ("gdn", 1, 8192, 96, 96, 128, 128),
+    ("gdn", 2, 16384, 16, 16, 128, 128),
+    ("gdn", 4, 4096, 64, 64, 128, 128),
+    ("gdn", 8, 2048, 32, 32, 256, 256),
+    ("gdn", 2, 8192, 16, 32, 128, 128),
+    ("kda", 2, 8192, 32, 32, 128, 128),
+    ("deltanet", 4, 4096, 16, 16, 128, 128),
+    ("gdn", 8, 2048, 16, 16, 64, 64),
+]
+JLA_KIND = {"gdn": "gated_deltanet", "kda": "kda", "deltanet": "deltanet"}
+
+
+def _logsigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def _softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def _kimi(rng, shape):
+    """Kimi Linear's g = -exp(A_log) softplus(x + dt_bias), A_log = log U(1, 16) per head,
+    dt_bias ~ N(0, 1) per head (and key), x ~ N(0, 1)."""
+    heads = shape[2]
+    a_log = np.log(rng.uniform(1.0, 16.0, (heads,) + (1,) * (len(shape) - 3)))
+    dt_bias = rng.standard_normal(shape[2:])
+    return -np.exp(a_log) * _softplus(rng.standard_normal(shape) + dt_bias)
+
+
+# Log-gate draws by the name a record carries: "peer" is fla's and jla's benchmark draw; "kimi"
+# Kimi Linear's parameterization; "strong" decays of up to 1e3 a step.
+GATES = {
+    "peer": ("logsigmoid(N(0,1))", lambda rng, shape: _logsigmoid(rng.standard_normal(shape))),
+    "kimi": ("-exp(A_log)*softplus(x+dt_bias), A_log=log U(1,16)", _kimi),
+    "strong": ("-1e3*sigmoid(N(0,1))",
+               lambda rng, shape: -1e3 / (1.0 + np.exp(-rng.standard_normal(shape)))),
+}
+BETAS = {
+    "sigmoid": ("sigmoid(N(0,1))", lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "2sigmoid": ("2*sigmoid(N(0,1))", lambda x: 2.0 / (1.0 + np.exp(-x))),
+}
+
+
+def inputs(seed, shape, gate, beta_law):
+    """numpy (q, k, v float32, beta float32, g float32 or None, output cotangent float32)."""
+    variant, b, t, h, hv, kd, vd = shape
+    rng = np.random.default_rng(seed)
+    q, k = (rng.standard_normal((b, t, h, kd), np.float32) for _ in range(2))
+    v = rng.standard_normal((b, t, hv, vd), np.float32)
+    beta = BETAS[beta_law][1](rng.standard_normal((b, t, hv))).astype(np.float32)
+    g = None
+    if variant != "deltanet":
+        g_shape = (b, t, hv, kd) if variant == "kda" else (b, t, hv)
+        g = GATES[gate][1](rng, g_shape).astype(np.float32)
+    ct = rng.standard_normal((b, t, hv, vd), np.float32)
+    return q, k, v, beta, g, ct
+
+
+def ours(backend):
+    from gla_tpu import ops
+
+    def fn(q, k, v, beta, g):
+        return ops.delta_rule(q, k, v, beta, g, use_qk_l2norm=True, mode="chunk",
+                              backend=backend)[0]
+    return fn
+
+
+def ours_operands_only(q, k, v, beta, g):
+    """What the "pallas_gpu" forward computes before its kernel (XLA: the WY operands, their
+    layout): the kernel's share is ours minus this."""
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry
+    from gla_tpu.ops.delta_rule.validation import validate_delta_rule
+
+    problem, _, _ = validate_delta_rule(q, k, v, beta, g, scale=None, initial_state=None,
+                                        output_final_state=False, segment_ids=None,
+                                        use_qk_l2norm=True, mode="chunk", chunk_size=None)
+    operands, _ = entry.kernel_operands(q, k, v, beta, g, None, None,
+                                        problem=problem.with_chunk_size(entry.CHUNK))
+    return [x for x in operands if isinstance(x, jax.Array)]
+
+
+def jla(kind):
+    def fn(q, k, v, beta, g):
+        import jla.ops
+
+        gates = dict(beta=beta) if g is None else dict(g=g, beta=beta)
+        return jla.ops.linear_attention(kind, q, k, v, impl="mosaic_gpu", use_qk_l2norm=True,
+                                        **gates)[0]
+    return fn
+
+
+def fla_function(variant, q, k, v, beta, g):
+    """fla's chunked op on torch tensors -> a function returning o (q, k repeated to the value
+    heads where fla takes no grouped value heads: what fla's layers do)."""
+    if variant == "deltanet":
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        return lambda: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True)[0]
+    if variant == "kda":
+        from fla.ops.kda import chunk_kda
+
+        return lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+class Bench:
+    def __init__(self, path, env):
+        self.path, self.env, self.records = path, env, []
+
+    def record(self, *, impl, shape, mode, gate, beta, timing=None, error=None, note=None):
+        rec = dict(op="delta_rule", variant=shape[0], impl=impl, shape=list(shape[1:]),
+                   mode=mode, dtype="bfloat16", gate=gate and GATES[gate][0],
+                   beta=BETAS[beta][0], device=self.env["device"], date=self.env["date"],
+                   versions=self.env["versions"])
+        if timing is not None:
+            rec.update(ms_median=timing[0], ms_min=timing[1], ms_max=timing[2])
+        if error is not None:
+            rec["error"] = error
+        if note is not None:
+            rec["note"] = note
+        self.records.append(rec)
+        write_json(self.path, self.records)
+        result = f"{timing[0]:.3f} ms" if timing else "-"
+        print(f"{shape[0]:8s} {impl:20s} {str(shape[1:]):34s} {mode:8s} {gate or '':6s} "
+              f"{beta:8s} {result}{'' if error is None else '  ' + error[:150]}", flush=True)
+
+
+def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True):
+    variant = shape[0]
+    q, k, v, b_, g, ct = inputs(0, shape, gate, beta)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(b_)]
+    if g is not None:
+        args.append(jnp.asarray(g))
+    jct = jnp.asarray(ct)
+    gate = None if variant == "deltanet" else gate
+    rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
+    impls = [("ours_pallas_gpu", ours("pallas_gpu"))]
+    if with_xla:
+        impls.append(("ours_xla", ours("xla")))
+    if not ours_only:
+        impls.append(("jla_mosaic_gpu", jla(JLA_KIND[variant])))
+    reference = None
+    for name, fn in impls:
+        if g is None:  # DeltaNet: no gate argument, so that grad takes every argument
+            fn = functools.partial(lambda q, k, v, beta, fn: fn(q, k, v, beta, None), fn=fn)
+        left = list(modes)
+        try:
+            out = jax.block_until_ready(jax.jit(fn)(*args))
+            reference = out if reference is None else reference
+            err = rel_err(out, reference)
+            if err > MATCH_TOLERANCE or not np.all(np.isfinite(np.asarray(out, np.float32))):
+                rec(impl=name, mode="fwd", error=f"output differs from ours: rel err {err:.2e}")
+                continue
+            while left:
+                mode = left[0]
+                f = fn if mode == "fwd" else fwd_bwd(fn, jct)
+                rec(impl=name, mode=mode, timing=time_jax(f, *args),
+                    note=f"rel err vs ours {err:.1e}")
+                left.pop(0)
+        except Exception as e:  # a peer that cannot take a shape is reported, not fatal
+            rec(impl=name, mode=left[0] if left else "fwd", error=_error(e))
+    try:
+        prep = (lambda q, k, v, beta: ours_operands_only(q, k, v, beta, None)) if g is None \
+            else ours_operands_only
+        rec(impl="ours_pallas_gpu_operands", mode="fwd", timing=time_jax(prep, *args),
+            note="the XLA part of ours_pallas_gpu's forward alone")
+    except Exception as e:
+        rec(impl="ours_pallas_gpu_operands", mode="fwd", error=_error(e))
+    if ours_only or reference is None:
+        return
+    import torch
+
+    h, hv = shape[3], shape[4]
+    tq, tk = (torch.from_numpy(np.repeat(x, hv // h, axis=2)).cuda().to(torch.bfloat16)
+              .requires_grad_() for x in (q, k))
+    tv = torch.from_numpy(v).cuda().to(torch.bfloat16).requires_grad_()
+    tb = torch.from_numpy(b_).cuda().to(torch.bfloat16).requires_grad_()
+    tg = None if g is None else torch.from_numpy(g).cuda().requires_grad_()
+    tct = torch.from_numpy(ct).cuda().to(torch.bfloat16)
+    left = list(modes)
+    try:
+        fn = fla_function(variant, tq, tk, tv, tb, tg)
+        with torch.no_grad():
+            out = fn().float().cpu().numpy()
+        err = rel_err(out, reference)
+        if err > MATCH_TOLERANCE:
+            rec(impl="fla_chunk", mode="fwd", error=f"output differs from ours: rel err {err:.2e}")
+            return
+        while left:
+            mode = left[0]
+
+            def run(fn=fn, mode=mode):
+                if mode == "fwd":
+                    with torch.no_grad():
+                        fn()
+                else:
+                    fn().backward(tct)
+            note = f"rel err vs ours {err:.1e}" + ("; q, k repeated to HV heads" if hv != h
+                                                    else "")
+            rec(impl="fla_chunk", mode=mode, timing=time_torch(run), note=note)
+            left.pop(0)
+    except Exception as e:
+        rec(impl="fla_chunk", mode=left[0] if left else "fwd", error=_error(e))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="gpu_delta_rule")
+    parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
+    parser.add_argument("--gates", default="peer", help=f"comma-separated from {sorted(GATES)}")
+    parser.add_argument("--betas", default="sigmoid", help=f"comma-separated from {sorted(BETAS)}")
+    parser.add_argument("--modes", default="fwd,fwd+bwd")
+    parser.add_argument("--ours-only", action="store_true")
+    parser.add_argument("--no-xla", action="store_true", help="leave out our 'xla' backend")
+    args = parser.parse_args(argv)
+    shapes = (SHAPES if args.shapes is None
+              else [SHAPES[int(i)] for i in args.shapes.split(",")])
+    env = environment()
+    env["versions"] = versions()
+    os.makedirs(args.out, exist_ok=True)
+    bench = Bench(os.path.join(args.out, f"{args.tag}.json"), env)
+    print(f"device {env['device']}", flush=True)
+    for shape in shapes:
+        gates = ["peer"] if shape[0] == "deltanet" else args.gates.split(",")
+        for gate in gates:
+            for beta in args.betas.split(","):
+                try:
+                    bench_shape(bench, shape, gate, beta, args.modes.split(","), args.ours_only,
+                                with_xla=not args.no_xla)
+                except Exception as e:
+                    traceback.print_exc()
+                    print(f"{shape}: not measured: {_error(e)}", flush=True)
+    rows = [dict(r, shape=str(tuple(r["shape"]))) for r in bench.records]
+    table = format_table(rows, ["variant", "impl", "shape", "mode", "gate", "beta", "ms_median",
+                                "error"])
+    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+        f.write(f"device {env['device']}, date {env['date']}, versions "
+                f"{json.dumps(env['versions'])}\n\n```\n{table}\n```\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Entry of the "pallas_gpu" delta-rule backend: what it takes, and the call.
+
+Mode "chunk" on a Hopper GPU (or the Mosaic GPU interpreter on CPU). The per-chunk operands of
+the WY form, which need no state, come from XLA: the "xla" backend's `chunk_operands` (decayed
+scores, the triangular solve, w and u0, q_in and k_out; every exponent a range sum <= 0), then
+GLA's Mosaic GPU state pass with Pass.delta walks the chunks once with the state in registers and
+writes the outputs (vjp.py). Padding: T to a multiple of 64 (tokens of beta = 0, g = 0), K to 64
+or 128 and V to a multiple of the value tile (zero keys and values: the state's padded rows and
+columns stay zero). Segment starts are gates at the floor on every key, as in "xla".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common import backends
+from gla_tpu.ops.common.capabilities import ANY_DIM, DELTA_RULE_FEATURES, Capabilities, Dims
+from gla_tpu.ops.common.padding import pad_last, pad_time
+from gla_tpu.ops.common.segments import segment_index, token_starts
+from gla_tpu.ops.delta_rule import xla
+from gla_tpu.ops.delta_rule.pallas_gpu import vjp
+from gla_tpu.ops.delta_rule.validation import GATE_KINDS
+
+CHUNK = 64
+MAX_KEY_DIM = 128  # the state tile [K, block_v] float32 in one warpgroup's registers
+
+CAPABILITIES = Capabilities(
+    op="delta_rule", backend="pallas_gpu",
+    platform="CUDA GPU (Hopper: H100/H200; CPU with interpret=True)",
+    dtypes=("bfloat16", "float16"), dims=(("K", Dims(high=MAX_KEY_DIM)), ("V", ANY_DIM)),
+    features=DELTA_RULE_FEATURES, modes=("chunk",), gates=GATE_KINDS, chunk_sizes=(CHUNK,),
+    notes="chunk: the per-chunk WY operands in XLA, then one Mosaic GPU state pass over the "
+          "chunks (state in registers, outputs fused), forward and reversed; the backward's "
+          "per-chunk products in XLA",
+)
+
+
+def check_supported(problem, block_sizes) -> None:
+    CAPABILITIES.check(problem, block_sizes)
+    if backends.default_platform() == "gpu" and not backends.is_hopper():
+        raise NotImplementedError(
+            "the 'pallas_gpu' delta_rule runs Mosaic GPU kernels, which need a Hopper GPU "
+            "(compute capability 9.x). backend='xla' takes it.")
+
+
+def value_tile(batch: int, value_heads: int, value_dim: int) -> int:
+    """Value columns per state-pass block: 64, or 32 where 64 leaves SMs idle."""
+    return 64 if batch * value_heads * -(-value_dim // 64) >= backends.gpu_sm_count() else 32
+
+
+def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
+    """The "pallas_gpu" delta rule; see `gla_tpu.ops.delta_rule` (arguments validated, g
+    floored). Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None)."""
+    del block_sizes
+    if not interpret and not backends.is_hopper():
+        raise NotImplementedError(
+            "the 'pallas_gpu' delta_rule runs on a Hopper GPU, or on CPU with interpret=True. "
+            "backend='xla' takes it.")
+    starts = None if segment_ids is None else token_starts(segment_index(segment_ids))
+    return _chunked(q, k, v, beta, g, initial_state, starts, problem=problem,
+                    interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "interpret"))
+def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
+    t, kd, vd = q.shape[1], problem.key_dim, problem.value_dim
+    operands, passes = kernel_operands(q, k, v, beta, g, initial_state, starts, problem=problem)
+    with jax.named_scope("delta_rule_pallas_gpu_chunk"):
+        o, final = vjp.state_passes(*operands, passes, interpret)
+    o = o[:, :t, :, :vd].astype(v.dtype)
+    return o, (final[:, :, :kd, :vd] if problem.output_final_state else None)
+
+
+def kernel_operands(q, k, v, beta, g, initial_state, starts, *, problem):
+    """The state passes' operands (vjp.state_passes: k_out, u0, last, s0, q_in, scores, w_neg),
+    padded, and their vjp.Passes: everything before the Mosaic GPU kernel."""
+    b, _, h, kd = q.shape
+    grp, vd, hv = problem.group, problem.value_dim, problem.num_value_heads
+    dtype = jnp.dtype(q.dtype)
+    f32 = jnp.float32
+    q, k, v_, beta, gates = xla.grouped_inputs(q, k, v, beta, g, starts, problem)
+    q, k, v_, beta = (pad_time(x, CHUNK) for x in (q, k, v_, beta))
+    gates = None if gates is None else pad_time(gates, CHUNK)
+    tp = q.shape[1]
+    n = tp // CHUNK
+    ops = xla.chunk_operands(q, k, v_, beta, gates, CHUNK, dtype)
+    kp = 64 if kd <= 64 else MAX_KEY_DIM
+    bv = value_tile(b, hv, vd)
+    vp = -(-vd // bv) * bv
+
+    def tokens(x, width):  # [B, H, G|1, N, C, D] -> [B, Tp, HV, width] float32
+        x = jnp.broadcast_to(x, (b, h, grp, n, CHUNK, x.shape[-1]))
+        return pad_last(x.transpose(0, 3, 4, 1, 2, 5).reshape(b, tp, hv, x.shape[-1]), width)
+
+    scale = problem.scale
+    q_in, k_out, w_neg = (tokens(x, kp) for x in (ops.q_in * scale, ops.k_out, -ops.w))
+    scores, u0 = tokens(ops.scores * scale, CHUNK), tokens(ops.u0, vp)
+    if ops.last is None:
+        last = jnp.zeros((b, n, hv, kp), f32)
+    else:  # [B, H, G, N, Kg] -> [B, N, HV, Kp]
+        last = jnp.broadcast_to(ops.last, (b, h, grp, n, kd)).transpose(0, 3, 1, 2, 4)
+        last = pad_last(last.reshape(b, n, hv, kd), kp)
+    s0 = None
+    if initial_state is not None:
+        s0 = jnp.pad(initial_state.astype(f32), [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    return (k_out, u0, last, s0, q_in, scores, w_neg, dtype), vjp.Passes(block_v=bv)
