@@ -128,8 +128,8 @@ def jla(kind):
 
 
 def fla_function(variant, q, k, v, beta, g):
-    """fla's chunked op on torch tensors -> a function returning o (q, k repeated to the value
-    heads where fla takes no grouped value heads: what fla's layers do)."""
+    """fla's chunked op on torch tensors -> a function returning o (the caller repeats q, k to
+    the value heads, as fla's layers do for grouped value heads)."""
     if variant == "deltanet":
         from fla.ops.delta_rule import chunk_delta_rule
 

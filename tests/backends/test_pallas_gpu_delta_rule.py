@@ -120,12 +120,14 @@ GPU_CASES = {
 }
 
 
+SUBNORMAL_MISS = pytest.mark.xfail(reason="dg at subnormal per-head decays", strict=False)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,dtype", [pytest.param(c, d, id=n)
-                                        for n, (c, d) in GPU_CASES.items()])
-def test_gpu_against_float64_recurrence(case, dtype, request):
-    if "subnormal" in request.node.name:
-        request.applymarker(pytest.mark.xfail(reason="dg: subnormal decays flushed", strict=False))
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(c, d, id=n, marks=SUBNORMAL_MISS if "subnormal" in n else ())
+    for n, (c, d) in GPU_CASES.items()])
+def test_gpu_against_float64_recurrence(case, dtype):
     assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
     check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu")
 
