@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gla_tpu.ops.delta_rule import xla
 from gla_tpu.ops.delta_rule.mosaic_tpu.kernels_chunk_tile import unit_lower_inverse
 
 C, K = 64, 128
@@ -75,3 +76,23 @@ def test_block_diagonal_inverse_is_the_inverse_of_each_block():
     for p in range(4):
         off[p * C:(p + 1) * C, p * C:(p + 1) * C] = 0.0
     assert not off.any()
+
+
+@pytest.mark.parametrize("gates,keys,beta_low", CASES)
+def test_xla_inverse_and_its_pullback_against_float64(gates, keys, beta_low):
+    """The "xla" and "pallas_gpu" backends' inverse (`xla.unit_lower_inverse`: blocked like the
+    kernel's, in XLA, with a two-product pullback) in float32 on a batch of three chunks, against
+    float64: the inverse, and dA for a random dX (dA = -tril(X^T dX X^T, -1))."""
+    import jax
+
+    rng = np.random.default_rng(sum(map(ord, gates + keys)) + 1)
+    a = np.stack([_scores(rng, gates, keys, beta_low) for _ in range(3)])
+    garbage = np.triu(rng.normal(size=(C, C)))  # not read: only the strictly lower part counts
+    d_inverse = rng.normal(size=a.shape)
+    exact = np.linalg.inv(np.eye(C) + a)
+    exact_da = -np.tril(np.swapaxes(exact, -1, -2) @ d_inverse @ np.swapaxes(exact, -1, -2), -1)
+    ours, pullback = jax.vjp(xla.unit_lower_inverse, jnp.asarray(a + garbage, jnp.float32))
+    (da,) = pullback(jnp.asarray(d_inverse, jnp.float32))
+    for got, want in ((ours, exact), (da, exact_da)):
+        got = np.asarray(got, np.float64)
+        assert np.linalg.norm(got - want) <= 2e-6 * np.linalg.norm(want)

@@ -1,8 +1,8 @@
 """The "xla" delta-rule backend: plain JAX, differentiated by autodiff.
 
 "chunk" is the chunked WY form of docs/delta_rule_math.md, in three passes: per chunk in
-parallel, the decayed scores, one [C, C] unit-lower-triangular solve for the WY representation
-(w, u0) and the decayed queries and keys; a `lax.scan` over chunks for the states
+parallel, the decayed scores, the inverse of one [C, C] unit lower triangular matrix for the WY
+representation (w, u0) and the decayed queries and keys; a `lax.scan` over chunks for the states
 (u = u0 - w S, S' = exp(b_last) * S + k_out^T u); the outputs per chunk in parallel.
 "fused_recurrent" is a `lax.scan` over tokens.
 
@@ -14,10 +14,12 @@ the state before it (exp(-100) is below the rounding of every dtype).
 
 Value head j reads q and k head j // G (G = HV // H): the value heads are laid out [H, G] and q, k
 broadcast over G, so q, k and, for DeltaNet, their scores are never repeated per value head.
-Inputs of 16 bits compute in float32, float64 inputs in float64; products run at HIGHEST
-precision (float32 on TPU matrix units is otherwise rounded to bfloat16), their operands rounded
-to the input dtype as the kernels round them (the same computation in the input dtype: scores,
-the WY products, the state pass and the outputs; the inverse of I + A stays in float32).
+Inputs of 16 bits compute in float32, float64 inputs in float64. The chunked form's products
+take operands rounded to the input dtype as the kernels round them (the same computation in the
+input dtype: scores, the WY products, the state pass and the outputs; the inverse of I + A stays
+in float32): for 16-bit inputs, 16-bit operands with float32 sums, which the matrix units run
+natively; otherwise HIGHEST precision (float32 on TPU matrix units is otherwise rounded to
+bfloat16).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ CAPABILITIES = Capabilities(
     op="delta_rule", backend="xla", platform="any (plain JAX)",
     dtypes=("bfloat16", "float16", "float32", "float64"), dims=(("K", ANY_DIM), ("V", ANY_DIM)),
     features=DELTA_RULE_FEATURES, modes=RESOLVED_MODES, gates=GATE_KINDS, chunk_sizes=CHUNK_SIZES,
-    notes="chunked WY form, (I + A)^-1 by one triangular solve per chunk (chunk), or a scan "
+    notes="chunked WY form, (I + A)^-1 by blocked inversion per chunk (chunk), or a scan "
           "over tokens (fused_recurrent); float32 arithmetic (float64 for float64 inputs), "
           "chunk's products on operands rounded to the input dtype; autodiff",
 )
@@ -141,7 +143,6 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
     None, Tp a multiple of c, all in the compute dtype -> the ChunkOperands; products on operands
     rounded to `input_dtype` (the inverse of I + A in the compute dtype)."""
     b, t, h, kd = q.shape
-    rnd = functools.partial(_rounded, dtype=input_dtype)
     grp, vd = v.shape[3], v.shape[4]
     n = t // c
     # [B, H, 1, N, C, K]: q and k broadcast over the G value heads of their head
@@ -151,7 +152,7 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
 
     if gates is None:
         q_in = k_in = k_out = last = None
-        scores, kk = _products(rnd(qc), rnd(kc))  # [B, H, 1, N, C, C]
+        scores, kk = _products(qc, kc, input_dtype)  # [B, H, 1, N, C, C]
     else:
         kg = gates.shape[-1]
         gc = gates.reshape(b, n, c, h, grp, kg).transpose(0, 3, 4, 1, 2, 5)
@@ -160,11 +161,11 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
         q_in, k_in, k_out = qc * jnp.exp(entry), kc * jnp.exp(entry), kc * jnp.exp(tail)
         last = entry[..., -1, :]  # [B, H, G, N, Kg]
         if kg == 1:
-            scores, kk = _products(rnd(qc), rnd(kc))
+            scores, kk = _products(qc, kc, input_dtype)
             pair = _pair_decays(gc[..., 0])  # [B, H, G, N, C, C]: exp(b_i - b_j), j <= i
             scores, kk = scores * pair, kk * pair
         else:
-            scores, kk = _per_key_scores(qc, kc, gc, rnd)  # [B, H, G, N, C, C]
+            scores, kk = _per_key_scores(qc, kc, gc, input_dtype)  # [B, H, G, N, C, C]
     # A_ij = beta_i (k_i e^(b_i - b_j)) . k_j for j < i; M_ij the same with q_i, j <= i
     a = jnp.where(_lift(_order(c, "after"), 6), betac[..., :, None] * kk, 0.0)  # [B, H, G, N, C, C]
     scores = jnp.where(_lift(_order(c, "from"), 6), scores, 0.0)
@@ -172,18 +173,59 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
     # The WY representation: [u0, w] = (I + A)^-1 beta [v, k_in]; the inverse of the unit lower
     # triangular I + A by one solve in the compute dtype, the products with rounded operands.
     k_in = kc if k_in is None else k_in
-    eye = jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), a.shape)
-    inverse = jax.lax.linalg.triangular_solve(a, eye, left_side=True, lower=True,
-                                              unit_diagonal=True)
-    u0 = _einsum("...ij,...jv->...iv", rnd(inverse), rnd(betac[..., None] * vc))
-    w = _einsum("...ij,...jk->...ik", rnd(inverse), rnd(betac[..., None] * k_in))
+    inverse = unit_lower_inverse(a)
+    u0 = _dot("...ij,...jv->...iv", inverse, betac[..., None] * vc, input_dtype)
+    w = _dot("...ij,...jk->...ik", inverse, betac[..., None] * k_in, input_dtype)
     return ChunkOperands(qc if q_in is None else q_in, kc if k_out is None else k_out, scores,
                          w, u0, last)
 
 
+INVERSE_BLOCK = 16  # the diagonal blocks unit_lower_inverse solves; the rest is products
+
+
+@jax.custom_vjp
+def unit_lower_inverse(a):
+    """(I + A)^-1 for A [..., C, C] strictly lower triangular (its other entries are not read),
+    C a power of two times INVERSE_BLOCK (or at most it).
+
+    Forward: the diagonal blocks of INVERSE_BLOCK rows by one batched triangular solve, then
+    blocks of twice the size, [[X1, 0], [-X2 A21 X1, X2]], until the whole (half the time of one
+    solve of the whole matrix on an H200). Pullback: dA = -tril(X^T dX X^T, -1) for
+    X = (I + A)^-1 (from d(L^-1) = -L^-1 dL L^-1), two products instead of the transposed solves
+    autodiff would make (a third of their time). Products at HIGHEST precision."""
+    c = a.shape[-1]
+    base = min(c, INVERSE_BLOCK)
+    diagonal = jnp.stack([a[..., i:i + base, i:i + base] for i in range(0, c, base)], axis=-3)
+    eye = jnp.broadcast_to(jnp.eye(base, dtype=a.dtype), diagonal.shape)
+    x = jax.lax.linalg.triangular_solve(diagonal, eye, left_side=True, lower=True,
+                                        unit_diagonal=True)  # [..., C / size, size, size]
+    size = base
+    while size < c:
+        x1, x2 = x[..., 0::2, :, :], x[..., 1::2, :, :]
+        a21 = jnp.stack([a[..., i + size:i + 2 * size, i:i + size]
+                         for i in range(0, c, 2 * size)], axis=-3)
+        low = -_einsum("...ij,...jk,...kl->...il", x2, a21, x1)
+        x = jnp.concatenate([jnp.concatenate([x1, jnp.zeros_like(x1)], axis=-1),
+                             jnp.concatenate([low, x2], axis=-1)], axis=-2)
+        size *= 2
+    return x[..., 0, :, :]
+
+
+def _unit_lower_inverse_fwd(a):
+    inverse = unit_lower_inverse(a)
+    return inverse, inverse
+
+
+def _unit_lower_inverse_bwd(inverse, d_inverse):
+    da = -_einsum("...ji,...jk,...lk->...il", inverse, d_inverse, inverse)
+    return (jnp.where(_lift(_order(da.shape[-1], "after"), da.ndim), da, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
 def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
     b, t, h, kd = q.shape
-    rnd = functools.partial(_rounded, dtype=input_dtype)
     grp, vd = v.shape[3], v.shape[4]
     # Padding tokens (beta = 0, g = 0, zero q, k, v) leave the state unchanged: sliced off below.
     q, k, v, beta = (pad_time(x, c) for x in (q, k, v, beta))
@@ -195,10 +237,10 @@ def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
     # The states, chunk after chunk: only u = u0 - w S waits for the state.
     def step(state, xs):
         w_n, u0_n, k_out_n, decay_n = xs  # [B, H, G, C, K], [B, H, G, C, V], ..., [B, H, G, Kg]
-        u = u0_n - _einsum("bhgck,bhgkv->bhgcv", rnd(w_n), rnd(state))
+        u = u0_n - _dot("bhgck,bhgkv->bhgcv", w_n, state, input_dtype)
         decayed = state if decay_n is None else decay_n[..., None] * state
         # k_out_n has G or 1 (broadcast) value heads
-        return decayed + _einsum("bhgck,bhgcv->bhgkv", rnd(k_out_n), rnd(u)), (state, u)
+        return decayed + _dot("bhgck,bhgcv->bhgkv", k_out_n, u, input_dtype), (state, u)
 
     state0 = jnp.zeros((b, h, grp, kd, vd), q.dtype) if s0 is None else s0
     xs = tuple(None if x is None else jnp.moveaxis(x, 3, 0) for x in (w, u0, k_out, decay))
@@ -206,10 +248,23 @@ def _chunked(q, k, v, beta, gates, s0, scale, c, input_dtype):
     states, u = jnp.moveaxis(states, 0, 3), jnp.moveaxis(u, 0, 3)  # [B, H, G, N, K|C, V]
 
     # The outputs: o = scale (q_in S_n + M u), GLA's with v replaced by the new values u.
-    o = (_einsum("bhgnck,bhgnkv->bhgncv", rnd(q_in), rnd(states))
-         + _einsum("bhgnij,bhgnjv->bhgniv", rnd(scores), rnd(u)))
+    o = (_dot("bhgnck,bhgnkv->bhgncv", q_in, states, input_dtype)
+         + _dot("bhgnij,bhgnjv->bhgniv", scores, u, input_dtype))
     o = o.transpose(0, 3, 4, 1, 2, 5).reshape(b, n * c, h, grp, vd)[:, :t]
     return o * scale, final
+
+
+def _dot(spec, x, y, input_dtype):
+    """The einsum of x and y (compute dtype) as the kernels' matrix units take it: operands
+    rounded to the input dtype, products summed in the compute dtype. For 16-bit inputs the
+    operands are cast to it, so GPU tensor cores and TPU matrix units run their 16-bit products
+    with float32 sums (the values of float32 products of the rounded operands); float32 and
+    float64 inputs at HIGHEST precision."""
+    cd = jnp.promote_types(x.dtype, y.dtype)
+    if jnp.dtype(input_dtype).itemsize >= cd.itemsize:
+        return _einsum(spec, x, y)
+    return jnp.einsum(spec, x.astype(input_dtype), y.astype(input_dtype),
+                      preferred_element_type=cd)
 
 
 def _rounded(x, dtype):
@@ -234,9 +289,10 @@ def _lift(mask, ndim):
     return mask.reshape((1,) * (ndim - mask.ndim) + mask.shape)
 
 
-def _products(qc, kc):
+def _products(qc, kc, input_dtype):
     """q k^T and k k^T inside each chunk: [..., C, C] each."""
-    return (_einsum("...ik,...jk->...ij", qc, kc), _einsum("...ik,...jk->...ij", kc, kc))
+    return (_dot("...ik,...jk->...ij", qc, kc, input_dtype),
+            _dot("...ik,...jk->...ij", kc, kc, input_dtype))
 
 
 def _entry_and_tail_sums(gc):
@@ -261,7 +317,7 @@ def _pair_decays(g):
     return jnp.where(lower, jnp.exp(_range_sums(g)), 0.0)
 
 
-def _per_key_scores(qc, kc, gc, rnd):
+def _per_key_scores(qc, kc, gc, input_dtype):
     """Secondary chunking of per-key decays: sub-chunk pairs I > J factor through the boundary
     before I, exp(b_i - b_j) = exp(sum over [start(I), i]) exp(sum over (j, start(I))), both
     exponents <= 0; the diagonal sub-chunks take the elementwise [c, c, K] decays.
@@ -294,8 +350,12 @@ def _per_key_scores(qc, kc, gc, rnd):
     eye = jnp.eye(ns, dtype=gc.dtype)
     out = []
     for xs in (qs, ks):
-        off = _einsum("...Iik,...IJjk->...IiJj", rnd(xs * later), rnd(k_early))
-        on = _einsum("...ik,...jk,...ijk->...ij", rnd(xs), rnd(ks), diag)  # [.., ns, sub, sub]
+        # HIGHEST on rounded operands: 16-bit operands here (float32 cotangents against 16-bit
+        # operands in the backward) made KDA's forward+backward 12% slower on an H200
+        off = _einsum("...Iik,...IJjk->...IiJj", _rounded(xs * later, input_dtype),
+                      _rounded(k_early, input_dtype))
+        on = _einsum("...ik,...jk,...ijk->...ij", _rounded(xs, input_dtype),
+                     _rounded(ks, input_dtype), diag)  # [.., ns, sub, sub]
         full = off + _einsum("...Iij,IJ->...IiJj", on, eye)
         out.append(full.reshape(*lead, c, c))
     return tuple(out)
