@@ -376,6 +376,24 @@ def test_context_parallel_delta_rule_matches_unsharded_xla(layout, gate, mode):
                       segments=_boundary_segments())
 
 
+def test_context_parallel_delta_rule_in_two_runs_where_v_plus_k_is_refused(monkeypatch):
+    """The block's state and transition come from one run on V + K value columns; a backend that
+    refuses that width gets two runs (zero state; zero values from the identity): same results."""
+    from gla_tpu.ops.delta_rule import api as delta_rule_api
+    from gla_tpu.ops.delta_rule import mosaic_tpu, validation
+
+    problem, _, _ = validation.validate_delta_rule(
+        *(jnp.zeros((1, 64, 1, d)) for d in (128, 128, 256)), jnp.zeros((1, 64, 1)), None,
+        scale=None, initial_state=None, output_final_state=False, segment_ids=None,
+        use_qk_l2norm=False, mode="chunk", chunk_size=None)
+    assert not delta_rule_api._takes_value_dim(mosaic_tpu, problem, None, 256 + 128)
+    assert delta_rule_api._takes_value_dim(mosaic_tpu, problem, None, 128 + 128)
+    monkeypatch.setattr(delta_rule_api, "_takes_value_dim", lambda *args: False)
+    shape, names, spec = CP_LAYOUTS["2x4-batch-time"]
+    _check_delta_rule(NamedSharding(_mesh(shape, names), spec), gate="head",
+                      mode="fused_recurrent", segments=_boundary_segments())
+
+
 @pytest.mark.full
 def test_context_parallel_delta_rule_matches_unsharded_mosaic_tpu():
     """mode "chunk" over batch and T on a (2, 2) mesh, TPU interpret mode; blocks of 20 tokens."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 
 import jax
@@ -77,9 +79,9 @@ def delta_rule(
         splits the batch and/or head dims (v, beta, g follow with their HV heads, so each
         device's value heads read its q, k heads): each device runs the op on its block
         (`jax.shard_map`, no communication). With None, q's own sharding is used where its type
-        carries explicit mesh axes. A split time axis runs context parallel: per device a
-        zero-state pass and a transition pass, one all-gather of the blocks' states and
-        [K, K] transitions, then the op from the true entering state (docs/scale_out.md).
+        carries explicit mesh axes. A split time axis runs context parallel: per device one
+        pass for the block's zero-state final state and [K, K] transition together, one
+        all-gather of them, then the op from the true entering state (docs/scale_out.md).
 
     Returns:
       (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32 (float64 for float64
@@ -142,7 +144,8 @@ def delta_rule(
     # Context parallelism: initial_state is read on every time shard, so its gradient is summed
     # over them; the final state comes out once per time shard and the last one's is returned.
     o, finals = sharded_call(
-        context_parallel.local_pass(run_local, layout), layout, args, in_specs,
+        context_parallel.local_pass(run_local, layout, functools.partial(
+            _takes_value_dim, module, problem, block_sizes)), layout, args, in_specs,
         (spec, layout.spec("time", "batch", "heads", None, None)),
         grad_psum_axes=((), (), (), (), (), layout.time_axes, ()))
     if not output_final_state:
@@ -151,6 +154,18 @@ def delta_rule(
         # Explicit axes cannot slice one entry off the split time-shard axis: gather it first.
         finals = jax.reshard(finals, NamedSharding(layout.mesh, P(None, *state_spec)))
     return o, finals[-1]
+
+
+def _takes_value_dim(module, problem, block_sizes, value_dim: int) -> bool:
+    """Whether the backend takes `problem` with `value_dim` value columns from an initial state
+    (context parallelism's state-and-transition run)."""
+    wider = dataclasses.replace(problem, value_dim=value_dim, has_initial_state=True,
+                                output_final_state=True)
+    try:
+        module.check_supported(wider, block_sizes)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _alias(mode: str, variant: str, name: str):
