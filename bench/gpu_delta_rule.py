@@ -3,6 +3,7 @@ Mosaic GPU kernels and fla's Triton kernels, forward and forward+backward.
 
     python3 bench/gpu_delta_rule.py --out OUT [--shapes 0,4] [--gates peer,kimi,strong]
         [--betas sigmoid,2sigmoid] [--modes fwd,fwd+bwd] [--ours-only] [--no-xla] [--tag NAME]
+    python3 bench/gpu_delta_rule.py --out OUT --decode      # one decode step, DECODE_SHAPES
 
 Inputs, as fla's op benchmarks draw them: q, k, v ~ N(0, 1) in bfloat16, q and k l2-normalized
 inside each op (fla's use_qk_l2norm_in_kernel, jla's and our use_qk_l2norm); beta and the log
@@ -46,6 +47,11 @@ SHAPES = [
     ("gdn", 8, 2048, 16, 16, 64, 64),
 ]
 JLA_KIND = {"gdn": "gated_deltanet", "kda": "kda", "deltanet": "deltanet"}
+# The decode step (T = 1 from a given state) at the issue's shapes: (variant, B, 1, H, HV, K, V).
+DECODE_SHAPES = [
+    ("gdn", 64, 1, 16, 16, 128, 128),
+    ("gdn", 256, 1, 32, 32, 64, 64),
+]
 
 
 def _logsigmoid(x):
@@ -243,6 +249,55 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True):
         rec(impl="fla_chunk", mode=left[0] if left else "fwd", error=_error(e))
 
 
+def bench_decode(bench, shape, gate, beta):
+    """One decode step (T = 1, from a state ~ N(0, 1) float32, final state out): ours ("auto":
+    the "pallas_gpu" backend has no fused_recurrent mode, so "xla"'s token scan runs) against
+    fla's `fused_recurrent_gated_delta_rule`."""
+    import warnings
+
+    from gla_tpu import ops
+
+    q, k, v, b_, g, _ = inputs(0, shape, gate, beta)
+    _, b, _, h, hv, kd, vd = shape
+    state = np.random.default_rng(1).standard_normal((b, hv, kd, vd), np.float32)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [
+        jnp.asarray(b_), jnp.asarray(g), jnp.asarray(state)]
+    rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
+
+    def fn(q, k, v, beta, g, s0):
+        return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                              use_qk_l2norm=True, mode="fused_recurrent")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "auto" falling back to "xla" warns once
+        ours_o, _ = jax.block_until_ready(jax.jit(fn)(*args))
+        rec(impl="ours_auto", mode="decode", timing=time_jax(fn, *args),
+            note="backend auto: xla fused_recurrent")
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        tq, tk, tv = (torch.from_numpy(x).cuda().to(torch.bfloat16) for x in (q, k, v))
+        tb = torch.from_numpy(b_).cuda().to(torch.bfloat16)
+        tg, ts = torch.from_numpy(g).cuda(), torch.from_numpy(state).cuda()
+
+        def run():
+            with torch.no_grad():
+                return fused_recurrent_gated_delta_rule(
+                    tq, tk, tv, g=tg, beta=tb, initial_state=ts, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+
+        err = rel_err(run()[0].float().cpu().numpy(), np.asarray(ours_o, np.float32))
+        if err > MATCH_TOLERANCE:
+            rec(impl="fla_fused_recurrent", mode="decode",
+                error=f"output differs from ours: rel err {err:.2e}")
+        else:
+            rec(impl="fla_fused_recurrent", mode="decode", timing=time_torch(run),
+                note=f"rel err vs ours {err:.1e}")
+    except Exception as e:
+        rec(impl="fla_fused_recurrent", mode="decode", error=_error(e))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
@@ -253,9 +308,12 @@ def main(argv=None):
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--ours-only", action="store_true")
     parser.add_argument("--no-xla", action="store_true", help="leave out our 'xla' backend")
+    parser.add_argument("--decode", action="store_true",
+                        help="time the decode step at DECODE_SHAPES instead (--shapes indexes them)")
     args = parser.parse_args(argv)
-    shapes = (SHAPES if args.shapes is None
-              else [SHAPES[int(i)] for i in args.shapes.split(",")])
+    table = DECODE_SHAPES if args.decode else SHAPES
+    shapes = (table if args.shapes is None
+              else [table[int(i)] for i in args.shapes.split(",")])
     env = environment()
     env["versions"] = versions()
     os.makedirs(args.out, exist_ok=True)
@@ -266,6 +324,9 @@ def main(argv=None):
         for gate in gates:
             for beta in args.betas.split(","):
                 try:
+                    if args.decode:
+                        bench_decode(bench, shape, gate, beta)
+                        continue
                     bench_shape(bench, shape, gate, beta, args.modes.split(","), args.ours_only,
                                 with_xla=not args.no_xla)
                 except Exception as e:
