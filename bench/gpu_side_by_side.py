@@ -199,10 +199,14 @@ def measure_torch(ctx, fn):
 
 
 def fwd_bwd(fn, ct):
-    """jax function of (q, k, v, ...) -> the gradients of sum(fn(...) * ct) w.r.t. every input."""
+    """jax function of (q, k, v, ...) -> the gradients of sum(fn(...) * ct) w.r.t. every input.
+
+    ct is a constant of the compiled program; behind an optimization barrier, so that XLA does
+    not fold the output cotangent's casts and transposes into constants at compile time (it did:
+    the timed backward then skipped work a training step does, and compiles took longer)."""
 
     def loss(*args):
-        return jnp.sum(fn(*args).astype(jnp.float32) * ct)
+        return jnp.sum(fn(*args).astype(jnp.float32) * jax.lax.optimization_barrier(ct))
 
     def grads(*args):
         return jax.grad(loss, argnums=tuple(range(len(args))))(*args)
