@@ -171,7 +171,7 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
     scores = jnp.where(_lift(_order(c, "from"), 6), scores, 0.0)
 
     # The WY representation: [u0, w] = (I + A)^-1 beta [v, k_in]; the inverse of the unit lower
-    # triangular I + A by one solve in the compute dtype, the products with rounded operands.
+    # triangular I + A in the compute dtype (blocked), the products with rounded operands.
     k_in = kc if k_in is None else k_in
     inverse = unit_lower_inverse(a)
     u0 = _dot("...ij,...jv->...iv", inverse, betac[..., None] * vc, input_dtype)
@@ -192,7 +192,7 @@ def unit_lower_inverse(a):
     blocks of twice the size, [[X1, 0], [-X2 A21 X1, X2]], until the whole (half the time of one
     solve of the whole matrix on an H200). Pullback: dA = -tril(X^T dX X^T, -1) for
     X = (I + A)^-1 (from d(L^-1) = -L^-1 dL L^-1), two products instead of the transposed solves
-    autodiff would make (a third of their time). Products at HIGHEST precision."""
+    autodiff would make (under a third of their time). Products at HIGHEST precision."""
     c = a.shape[-1]
     base = min(c, INVERSE_BLOCK)
     diagonal = jnp.stack([a[..., i:i + base, i:i + base] for i in range(0, c, base)], axis=-3)
