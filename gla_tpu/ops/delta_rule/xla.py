@@ -183,8 +183,7 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
 INVERSE_BLOCK = 16  # the diagonal blocks unit_lower_inverse solves; the rest is products
 
 
-@jax.custom_vjp
-def unit_lower_inverse(a):
+def _blocked_inverse(a):
     """(I + A)^-1 for A [..., C, C] strictly lower triangular (its other entries are not read),
     C a power of two times INVERSE_BLOCK (or at most it).
 
@@ -211,8 +210,11 @@ def unit_lower_inverse(a):
     return x[..., 0, :, :]
 
 
+unit_lower_inverse = jax.custom_vjp(_blocked_inverse)
+
+
 def _unit_lower_inverse_fwd(a):
-    inverse = unit_lower_inverse(a)
+    inverse = _blocked_inverse(a)
     return inverse, inverse
 
 
