@@ -44,9 +44,20 @@ def test_interpreter_against_float64_recurrence(case, dtype):
     check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu", interpret=True)
 
 
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(c, d, id=n, marks=() if i == 0 else pytest.mark.full)
+    for i, (n, (c, d)) in enumerate({**INTERPRET_CASES, **FULL_INTERPRET_CASES}.items())])
+def test_interpreter_forward_against_float64_recurrence(case, dtype):
+    """The forward alone: its WY operands come from the Mosaic GPU kernel (under
+    differentiation, from XLA)."""
+    check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu", interpret=True,
+                            grads=False)
+
+
 def test_lowers_to_two_mosaic_kernels_for_hopper(monkeypatch):
-    """The forward is one Mosaic GPU kernel, the gradient of every input two (the training
-    forward and the reversed pass)."""
+    """The forward is two Mosaic GPU kernels (the WY operands, the state pass), the gradient of
+    every input two (the training forward's state pass, its operands from XLA, and the reversed
+    pass)."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
     s = jax.ShapeDtypeStruct
     q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)
@@ -60,7 +71,7 @@ def test_lowers_to_two_mosaic_kernels_for_hopper(monkeypatch):
         o, final = forward(*args)
         return jnp.sum(o.astype(F32)) + jnp.sum(final)
 
-    for fn, kernels in ((forward, 1), (jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), 2)):
+    for fn, kernels in ((forward, 2), (jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), 2)):
         with hopper_target():
             text = (jax.jit(fn).trace(q, q, v, beta, g, s0)
                     .lower(lowering_platforms=("cuda",)).as_text())
@@ -130,6 +141,15 @@ SUBNORMAL_MISS = pytest.mark.xfail(reason="dg at subnormal per-head decays", str
 def test_gpu_against_float64_recurrence(case, dtype):
     assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
     check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", [
+    pytest.param(c, d, id=n) for n, (c, d) in GPU_CASES.items()])
+def test_gpu_forward_against_float64_recurrence(case, dtype):
+    """The forward alone (its WY operands from the Mosaic GPU kernel)."""
+    assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
+    check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu", grads=False)
 
 
 @pytest.mark.gpu

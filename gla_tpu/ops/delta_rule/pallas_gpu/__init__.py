@@ -1,7 +1,8 @@
 """The "pallas_gpu" delta-rule backend (Mosaic GPU kernels, Hopper): mode "chunk".
 
-    entry.py   what the backend takes, and the call (the per-chunk WY operands in XLA)
-    vjp.py     jax.custom_vjp of the chunk-serial state passes
+    entry.py                    what the backend takes, and the call
+    kernels_mosaic_operands.py  the per-chunk WY operands (forward), one Mosaic GPU kernel
+    vjp.py                      jax.custom_vjp of the chunk-serial state passes
 (the kernels: GLA's state pass with Pass.delta, gla/pallas_gpu/kernels_mosaic_state.py)
 """
 

@@ -1,12 +1,14 @@
 """Entry of the "pallas_gpu" delta-rule backend: what it takes, and the call.
 
-Mode "chunk" on a Hopper GPU (or the Mosaic GPU interpreter on CPU). The per-chunk operands of
-the WY form, which need no state, come from XLA: the "xla" backend's `chunk_operands` (decayed
-scores, the triangular solve, w and u0, q_in and k_out; every exponent a range sum <= 0), then
-GLA's Mosaic GPU state pass with Pass.delta walks the chunks once with the state in registers and
-writes the outputs (vjp.py). Padding: T to a multiple of 64 (tokens of beta = 0, g = 0), K to 64
-or 128 and V to a multiple of the value tile (zero keys and values: the state's padded rows and
-columns stay zero). Segment starts are gates at the floor on every key, as in "xla".
+Mode "chunk" on a Hopper GPU (or the Mosaic GPU interpreter on CPU). The forward is two Mosaic GPU
+kernels: the per-chunk WY operands (kernels_mosaic_operands.py: decayed scores, the inverse,
+w and u0, q_in and k_out; every exponent a range sum <= 0), then GLA's state pass with
+Pass.delta, which walks the chunks once with the state in registers and writes the outputs
+(vjp.py). Under differentiation the operands come from the "xla" backend's `chunk_operands`
+instead, whose autodiff takes the state passes' cotangents back to the inputs. Padding: T to a
+multiple of 64 (tokens of beta = 0, g = 0), K to 64 or 128 and V to a multiple of 64 (operands
+kernel) or of the value tile (zero keys and values: the state's padded rows and columns stay
+zero). Segment starts are gates at the floor on every key, as in "xla".
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from gla_tpu.ops.common.capabilities import ANY_DIM, DELTA_RULE_FEATURES, Capabi
 from gla_tpu.ops.common.padding import pad_last, pad_time
 from gla_tpu.ops.common.segments import segment_index, token_starts
 from gla_tpu.ops.delta_rule import xla
-from gla_tpu.ops.delta_rule.pallas_gpu import vjp
+from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands, vjp
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 
 CHUNK = 64
@@ -32,9 +34,10 @@ CAPABILITIES = Capabilities(
     platform="CUDA GPU (Hopper: H100/H200; CPU with interpret=True)",
     dtypes=("bfloat16", "float16"), dims=(("K", Dims(high=MAX_KEY_DIM)), ("V", ANY_DIM)),
     features=DELTA_RULE_FEATURES, modes=("chunk",), gates=GATE_KINDS, chunk_sizes=(CHUNK,),
-    notes="chunk: the per-chunk WY operands in XLA, then one Mosaic GPU state pass over the "
-          "chunks (state in registers, outputs fused), forward and reversed; the backward's "
-          "per-chunk products in XLA",
+    notes="chunk: the per-chunk WY operands in a Mosaic GPU kernel (forward; in XLA under "
+          "differentiation), then one Mosaic GPU state pass over the chunks (state in "
+          "registers, outputs fused), forward and reversed; the backward's per-chunk products "
+          "in XLA",
 )
 
 
@@ -67,21 +70,87 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
 @functools.partial(jax.jit, static_argnames=("problem", "interpret"))
 def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
     t, kd, vd = q.shape[1], problem.key_dim, problem.value_dim
-    operands, passes = kernel_operands(q, k, v, beta, g, initial_state, starts, problem=problem)
+    inputs = (*xla.grouped_inputs(q, k, v, beta, g, starts, problem), initial_state)
     with jax.named_scope("delta_rule_pallas_gpu_chunk"):
-        o, final = vjp.state_passes(*operands, passes, interpret)
+        if _kernel_operands_take(problem):
+            o, final = _operands_and_passes(*inputs, problem, bool(interpret))
+        else:
+            o, final = _passes_on_xla_operands(*inputs, problem, bool(interpret))
     o = o[:, :t, :, :vd].astype(v.dtype)
     return o, (final[:, :, :kd, :vd] if problem.output_final_state else None)
 
 
-def kernel_operands(q, k, v, beta, g, initial_state, starts, *, problem):
-    """The state passes' operands (vjp.state_passes: k_out, u0, last, s0, q_in, scores, w_neg),
-    padded, and their vjp.Passes: everything before the Mosaic GPU kernel."""
+def _kernel_operands_take(problem) -> bool:
+    """Whether the WY operands kernel takes the problem (its padded V at most 256)."""
+    return -(-problem.value_dim // kernels_mosaic_operands.SLAB) * kernels_mosaic_operands.SLAB \
+        <= kernels_mosaic_operands.MAX_VALUE_DIM
+
+
+# The forward alone takes the operands from the Mosaic GPU kernel; under differentiation they
+# come from XLA ("xla"'s chunk_operands), whose autodiff carries the state passes' cotangents
+# back to the inputs (the backward of the operands is not a kernel yet).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
+    """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
+    state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel."""
+    b, t, h, kd = q.shape
+    grp, vd, hv = problem.group, problem.value_dim, problem.num_value_heads
+    dtype = jnp.dtype(problem.dtype)
+    kp = 64 if kd <= 64 else MAX_KEY_DIM
+    vp = -(-vd // kernels_mosaic_operands.SLAB) * kernels_mosaic_operands.SLAB
+
+    def padded(x, width):  # [B, T, ...] -> [B, Tp, HV|H, width] (zeros after)
+        x = pad_time(x.reshape(b, t, -1, x.shape[-1]), CHUNK)
+        return pad_last(x, width)
+
+    qp, kp_ = (padded(x, kp).astype(dtype) for x in (q, k))
+    vp_ = padded(v_, vp).astype(dtype)
+    beta_p = pad_time(beta.reshape(b, t, hv), CHUNK)
+    if gates is None:
+        gates_p = jnp.zeros(beta_p.shape, jnp.float32)
+    elif gates.shape[-1] == 1:  # per head
+        gates_p = pad_time(gates.reshape(b, t, hv), CHUNK)
+    else:
+        gates_p = padded(gates, kp)
+    scores, q_in, k_out, w_neg, u0, last = kernels_mosaic_operands.wy_operands(
+        qp, kp_, vp_, beta_p, gates_p.astype(jnp.float32), group=grp, scale=problem.scale,
+        interpret=interpret)
+    s0 = None
+    if initial_state is not None:
+        s0 = jnp.pad(initial_state.astype(jnp.float32),
+                     [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    o, final = vjp.state_passes(k_out, u0, last, s0, q_in, scores, w_neg, dtype,
+                                vjp.Passes(block_v=value_tile(b, hv, vd)), interpret)
+    return o[..., :vd], final[..., :vd]
+
+
+def _passes_on_xla_operands(q, k, v_, beta, gates, initial_state, problem, interpret):
+    """As `_operands_and_passes`, the WY operands from XLA (differentiable)."""
+    operands, passes = kernel_operands(q, k, v_, beta, gates, initial_state, problem=problem)
+    o, final = vjp.state_passes(*operands, passes, interpret)
+    vd = problem.value_dim
+    return o[..., :vd], final[..., :vd]
+
+
+def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, interpret):
+    return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
+                                     interpret=interpret), q, k, v_, beta, gates, initial_state)
+
+
+def _operands_and_passes_bwd(problem, interpret, pullback, cotangents):
+    return pullback(cotangents)
+
+
+_operands_and_passes.defvjp(_operands_and_passes_fwd, _operands_and_passes_bwd)
+
+
+def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
+    """The state passes' operands (vjp.state_passes: k_out, u0, last, s0, q_in, scores, w_neg)
+    from XLA, padded, and their vjp.Passes, for grouped inputs (`xla.grouped_inputs`)."""
     b, _, h, kd = q.shape
     grp, vd, hv = problem.group, problem.value_dim, problem.num_value_heads
-    dtype = jnp.dtype(q.dtype)
+    dtype = jnp.dtype(problem.dtype)
     f32 = jnp.float32
-    q, k, v_, beta, gates = xla.grouped_inputs(q, k, v, beta, g, starts, problem)
     q, k, v_, beta = (pad_time(x, CHUNK) for x in (q, k, v_, beta))
     gates = None if gates is None else pad_time(gates, CHUNK)
     tp = q.shape[1]

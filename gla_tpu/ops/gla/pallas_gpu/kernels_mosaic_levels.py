@@ -220,6 +220,68 @@ def level_operand(q_tile, k_tile, factor, upper):
     return (chosen.astype(F32) * factor).astype(q_tile.dtype)
 
 
+def level_scores(q_smem, k_smem, gates, ranges, ranges_in, buffers, fetch_ranges, *,
+                 slabs: int, interpret: bool, key_scores: bool = False):
+    """The pair levels' scores of a chunk: ([C, C] float32 sum_L mask_L (q F_L)(k F_L)^T, the
+    pairs x < r; with `key_scores`, also the same of k against k), by a loop over the levels
+    (one body for all, the level a loop index). Per level: the factors F_L by one range-sum
+    product per slab (`ranges` [C, C] holds level L's range matrix, arriving on `ranges_in`;
+    `fetch_ranges(i)` brings range matrix i once every warp is past the products that read the
+    one before), X = k F_L stored to shared memory (`buffers` [2, slabs, C, SLAB], one per
+    level parity) as the products' right operand, and the left operands (q F_L, or k F_L) from
+    registers. q_smem, k_smem: [C, slabs * SLAB] 16-bit tiles; gates: `store_gates`'s."""
+    c = CHUNK
+
+    def level_step(level, scores):
+        plgpu.barrier_wait(ranges_in)  # the level's range matrix
+        factors = [jnp.exp2(range_sums(ranges, gates.at[s], interpret=interpret))
+                   for s in range(slabs)]
+        upper = upper_rows(level, (c, SLAB))
+        q_tiles = [q_smem.at[:, pl.ds(s * SLAB, SLAB)] for s in range(slabs)]
+        k_tiles = [k_smem.at[:, pl.ds(s * SLAB, SLAB)] for s in range(slabs)]
+        x = [level_operand(q_tiles[s], k_tiles[s], factors[s], upper) for s in range(slabs)]
+        # the right operand's lower rows are k F_L either way (only they meet the mask)
+        xk = ([level_operand(k_tiles[s], k_tiles[s], factors[s], upper) for s in range(slabs)]
+              if key_scores else x)
+        # two buffers of X: the one the level before last read is free, as every warp has
+        # passed the last level's commit below since
+        x_smem = buffers.at[lax.rem(level, 2)]
+        for s in range(slabs):
+            x_smem.at[s][...] = xk[s]
+        plgpu.commit_smem()  # also: every warp is past this level's range sums
+        fetch_ranges(level + 1)
+        pairs = level_pairs(level, c)  # each pair has one level
+        out = []
+        for left, acc in zip((x, xk), scores):
+            part = matmul([(left[s], T(x_smem.at[s])) for s in range(slabs)], (c, c),
+                          interpret=interpret)
+            out.append(jnp.where(pairs, part, acc))
+        return tuple(out)
+
+    init = tuple(full((c, c), 0.0) for _ in range(2 if key_scores else 1))
+    return lax.fori_loop(0, pair_levels.num_levels(c), level_step, init)
+
+
+def diagonal(q_smem, k_smem, slabs: int):
+    """[C] float32 (ROW layout): q_t . k_t of each token, q_smem, k_smem [C, slabs * SLAB]."""
+    diag = None
+    for s in range(slabs):
+        span = pl.ds(s * SLAB, SLAB)
+        prod = jnp.sum(load_f32(q_smem.at[:, span]) * load_f32(k_smem.at[:, span]), axis=1)
+        diag = prod if diag is None else diag + prod
+    return diag
+
+
+def chunk_decays(ranges, gates, rest, *, interpret: bool):
+    """[SLAB] float32 (ROW layout) b_last of a slab's keys (natural log), from the "prefix"
+    range matrix in `ranges`: b transposed ([SLAB, C], a key per row), its last column, one
+    row sum."""
+    b_keys = matmul([(T(gates), T(ranges)), (T(rest), T(ranges))], (SLAB, CHUNK),
+                    interpret=interpret)
+    last_col = iota((SLAB, CHUNK), 1) == CHUNK - 1
+    return jnp.sum(jnp.where(last_col, b_keys, 0.0), axis=1) * LN2
+
+
 # The range matrices prep reads, in the order it reads them: one per level, then b and b_last - b
 PREP_RANGES = tuple(f"level{level}" for level in range(pair_levels.num_levels(CHUNK))) + (
     "prefix", "suffix")
@@ -263,45 +325,21 @@ def prep(q, k, g, *, scale: float, interpret):
             load_gates(g_ref, tokens, span, gates.at[slab], loaded, head_vec, rest.at[slab],
                        wait=slab == 0)
 
-        def level_step(level, scores):
-            plgpu.barrier_wait(ranges_in)  # the level's range matrix
-            factors = [jnp.exp2(range_sums(ranges, gates.at[s], interpret=interpret))
-                       for s in range(slabs)]
-            upper = upper_rows(level, (c, SLAB))
-            x = [level_operand(q_smem.at[:, pl.ds(s * SLAB, SLAB)],
-                               k_smem.at[:, pl.ds(s * SLAB, SLAB)], factors[s], upper)
-                 for s in range(slabs)]
-            # two buffers of X: the one the level before last read is free, as every warp has
-            # passed the last level's commit below since
-            x_smem = ops.at[lax.rem(level, 2)]
-            for s in range(slabs):
-                x_smem.at[s][...] = x[s]
-            plgpu.commit_smem()  # also: every warp is past this level's range sums
-            fetch_ranges(level + 1)
-            part = matmul([(x[s], T(x_smem.at[s])) for s in range(slabs)], (c, c),
-                          interpret=interpret)
-            return jnp.where(level_pairs(level, c), part, scores)  # each pair has one level
-
-        scores = lax.fori_loop(0, levels, level_step, full((c, c), 0.0))
-        diag = None
-        for s in range(slabs):
-            span = pl.ds(s * SLAB, SLAB)
-            prod = jnp.sum(load_f32(q_smem.at[:, span]) * load_f32(k_smem.at[:, span]), axis=1)
-            diag = prod if diag is None else diag + prod
+        (scores,) = level_scores(q_smem, k_smem, gates, ranges, ranges_in, ops, fetch_ranges,
+                                 slabs=slabs, interpret=interpret)
         r, x = iota((c, c), 0), iota((c, c), 1)
-        scores = (scores + jnp.where(r == x, rows(diag, (c, c)), 0.0)) * scale
+        diag = rows(diagonal(q_smem, k_smem, slabs), (c, c))
+        scores = (scores + jnp.where(r == x, diag, 0.0)) * scale
 
         # qd over q. b with the rest of the gates: d initial_state and the chunk decays have no
         # term of weight 1 beside them. b_last from b transposed ([SLAB, C], a key per row): its
         # last column, one row sum
         plgpu.barrier_wait(ranges_in)  # prefix
-        last_col = iota((SLAB, c), 1) == c - 1
         for s in range(slabs):
             span = pl.ds(s * SLAB, SLAB)
             b = range_sums(ranges, gates.at[s], interpret=interpret, rest=rest.at[s])
-            b_keys = matmul([(T(gates.at[s]), T(ranges)), (T(rest.at[s]), T(ranges))],
-                            (SLAB, c), interpret=interpret)
-            last_s.at[s][...] = jnp.sum(jnp.where(last_col, b_keys, 0.0), axis=1) * LN2
+            last_s.at[s][...] = chunk_decays(ranges, gates.at[s], rest.at[s],
+                                             interpret=interpret)
             q_smem.at[:, span][...] = (load_f32(q_smem.at[:, span])
                                        * (jnp.exp2(b) * scale)).astype(dtype)
         plgpu.commit_smem()
