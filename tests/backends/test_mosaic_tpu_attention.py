@@ -27,6 +27,22 @@ def test_interpret_params_instance_passes_through():
                            interpret=params, block_sizes=SMALL)
 
 
+# The backward's sub-block loop (plan.backward_sub_block: a dq key block or a dk/dv query block
+# wider than the sub-block, taken by a loop), made to run at small shapes by a sub-block of 128:
+# full and causal, segment ids, T != S.
+@pytest.mark.parametrize("case", [
+    C(1, 256, 256, 2, 1, 128, causal=False, segments="pair"),
+    C(1, 200, 300, 2, 2, 128, causal=True),
+], ids=["full-segments", "causal-T200-S300"])
+def test_backward_sub_block_loop(case, monkeypatch):
+    from gla_tpu.ops.attention.mosaic_tpu import plan
+
+    monkeypatch.setattr(plan, "BACKWARD_SUB_BLOCK", 128)
+    sizes = BlockSizes(block_q=128, block_kv=128, block_q_dq=128, block_kv_dq=256,
+                       block_q_dkv=256, block_kv_dkv=128)
+    check_attention_parity(case, backend="mosaic_tpu", interpret=True, block_sizes=sizes)
+
+
 # Errors and capability.
 
 

@@ -203,8 +203,10 @@ def test_forward_tiles_128_wide(generation, batch, d, causal, expected):
 # The backward's default tiles on 128-wide MXUs (plan._backward_tiles_128_wide): 1024 x 1024 in
 # 16-bit dtypes at D = 256 on v5p (two TensorCores, 64 MiB of VMEM), compiled there in bfloat16,
 # causal with segment ids (their rows in VMEM too), and on v5e without a mask, compiled there;
-# at D = 64 on v5p, compiled there causal with segment ids; float32, v5e with a causal mask or
-# segment ids at D = 256, v5e at D = 64 and D = 128 everywhere keep 512 x 512.
+# at D = 64 on v5p, compiled there causal with segment ids; v5e's full attention at D = 128 in
+# dq 512 x 2048 and dk/dv 2048 x 512 (at T = 2048; each 4096 at T = 4096, test below), compiled
+# there; float32, v5e with a causal mask or segment ids at D = 256, v5e at D = 64 and D = 128
+# elsewhere keep 512 x 512.
 @pytest.mark.parametrize("generation,d,dtype,causal,segments,expected", [
     ("v5p", 256, BF16, True, True, (1024, 1024, 1024, 1024)),
     ("v5p", 256, F32, True, True, (512, 512, 512, 512)),
@@ -214,8 +216,12 @@ def test_forward_tiles_128_wide(generation, batch, d, causal, expected):
     ("v5p", 64, BF16, True, True, (1024, 1024, 1024, 1024)),
     ("v5e", 64, BF16, False, False, (512, 512, 512, 512)),
     ("v5p", 128, BF16, False, False, (512, 512, 512, 512)),
+    ("v5e", 128, BF16, False, False, (512, 2048, 2048, 512)),
+    ("v5e", 128, BF16, True, False, (512, 512, 512, 512)),
+    ("v5e", 128, F32, False, False, (512, 512, 512, 512)),
 ], ids=["v5p-bfloat16-causal-segments", "v5p-float32", "v5e-causal", "v5e-segments",
-        "v5e-full", "v5p-d64-causal-segments", "v5e-d64", "v5p-d128"])
+        "v5e-full", "v5p-d64-causal-segments", "v5e-d64", "v5p-d128", "v5e-d128-full",
+        "v5e-d128-causal", "v5e-d128-float32"])
 def test_backward_tiles_128_wide(generation, d, dtype, causal, segments, expected):
     from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
     from gla_tpu.ops.attention.validation import validate_attention
@@ -229,7 +235,7 @@ def test_backward_tiles_128_wide(generation, d, dtype, causal, segments, expecte
     with targeting(generation):
         cfg = kernel_config(problem, None, False)
     assert (cfg.block_q_dq, cfg.block_kv_dq, cfg.block_q_dkv, cfg.block_kv_dkv) == expected
-    if expected[0] == 1024:
+    if expected != (512, 512, 512, 512):
         def forward(q, k, v, *seg_ids):
             return ops.flash_attention(q, k, v, causal=causal, segment_ids=seg_ids or None,
                                        backend="mosaic_tpu")
@@ -239,6 +245,27 @@ def test_backward_tiles_128_wide(generation, d, dtype, causal, segments, expecte
         assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
+# v5e's wide backward blocks for full attention at D = 128 (plan._wide_block): 4096 where the
+# sequence pads to a multiple of it, 2048 where 4096 would pad further than 1024-blocks, none at
+# T <= 1024 or T = 3000 (3072 is no multiple of 2048); whatever the head count.
+@pytest.mark.parametrize("t,h,expected", [
+    (4096, 8, (512, 4096, 4096, 512)), (16384, 32, (512, 4096, 4096, 512)),
+    (6144, 8, (512, 2048, 2048, 512)), (3000, 8, (512, 512, 512, 512)),
+    (1024, 8, (512, 512, 512, 512)),
+])
+def test_wide_backward_blocks_on_v5e(t, h, expected):
+    from gla_tpu.ops.attention.mosaic_tpu.plan import kernel_config
+    from gla_tpu.ops.attention.validation import validate_attention
+    from gla_tpu.testing.tpu_compile import targeting
+
+    x = jax.ShapeDtypeStruct((1, t, h, 128), BF16)
+    problem, _, _ = validate_attention(x, x, x, causal=False, sm_scale=None, segment_ids=None)
+    with targeting("v5e"):
+        cfg = kernel_config(problem, None, False)
+    assert (cfg.block_q_dq, cfg.block_kv_dq, cfg.block_q_dkv, cfg.block_kv_dkv) == expected
+    assert cfg.q_len_padded == -(-t // 1024) * 1024 if t > 1024 else True
+
+
 # A BlockSizes that sets some fields leaves the others to the op's defaults for the chip and
 # problem: the 256-wide MXUs' 1024-tiles on v6e, the D = 128 forward's rule on v5e while the
 # forward's tiles are unset; a forward tile set by hand turns that rule off; a default
@@ -246,6 +273,7 @@ def test_backward_tiles_128_wide(generation, d, dtype, causal, segments, expecte
 @pytest.mark.parametrize("generation,d,causal,sizes,expected", [
     ("v6e", 128, True, dict(row_sum_on_mxu=False), (1024, 1024, 1024, 1024, 1024)),
     ("v5e", 128, False, dict(vmem_limit_bytes=64 * 2**20), (1024, 1024, 512, 512, 512)),
+    ("v5e", 128, False, dict(block_q_dq=256), (1024, 1024, 512, 256, 512)),
     ("v5e", 128, False, dict(block_q=512), (512, 512, 512, 512, 512)),
     ("v5e", 256, True, dict(block_kv=384), (1024, 384, 384, 512, 512)),
     ("v5e", 256, True, dict(block_q_dq=256), (1024, 1024, 256, 256, 512)),

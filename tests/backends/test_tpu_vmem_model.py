@@ -95,10 +95,12 @@ def _grad_of_sum(fn):
 
 # (generation, B, T, H, Hkv, D, dtype, causal, segments): the rows forward at the most heads and
 # in float32 with segment ids; the head-major kernels at the largest tiles (1024 on v6e, the
-# D = 256 forward's on v5e) and on the smallest VMEM (v4), float32 at D = 256.
+# D = 256 forward's on v5e, v5e's 4096-wide backward blocks of full attention at D = 128) and on
+# the smallest VMEM (v4), float32 at D = 256.
 BOUNDARIES = {
     "rows-v6e-h32-hkv8-f32-segments": ("v6e", 1, 8192, 32, 8, 128, F32, True, True),
     "rows-v5e-h40-bf16": ("v5e", 1, 8192, 40, 40, 128, BF16, True, False),
+    "rows-v5e-h8-bf16-full": ("v5e", 1, 8192, 8, 8, 128, BF16, False, False),  # wide backward
     "head-major-v4-d256-f32-segments": ("v4", 1, 8192, 8, 8, 256, F32, True, True),
     "head-major-v6e-d256-f32-full": ("v6e", 1, 8192, 8, 2, 256, F32, False, False),
     "head-major-v5e-d256-bf16-segments": ("v5e", 1, 8192, 8, 8, 256, BF16, False, True),
@@ -108,6 +110,10 @@ BOUNDARIES = {
 # Mosaic allocates (measured 1.04-1.6x); the head-major one bounds temporaries whose size
 # varies with the chip and the head dim (1.0-3x over 83 compiled kernels).
 MAX_OVERCOUNT = {"rows": 1.7, "head-major": 3.0}
+# v5e's wide backward blocks (dq 512 x 4096, dk/dv 4096 x 512 in 1024-row sub-blocks): the
+# compiler's count stays at 2.8-3.1 MiB, under the model's double-buffered 4096-row blocks alone,
+# so the model overcounts 3.5x (dq) and 4.1x (dk/dv) there; an upper bound still.
+MAX_OVERCOUNT_WIDE_BACKWARD = 4.2
 
 
 @pytest.mark.parametrize("name", list(BOUNDARIES))
@@ -137,4 +143,7 @@ def test_vmem_model_bounds_the_compilers_count(name):
         assert used, (kind, counted)
         model = plan.kernel_vmem_bytes(cfg, kind)
         family = "rows" if kind == "fwd" and cfg.forward_reads_rows else "head-major"
-        assert used <= model <= MAX_OVERCOUNT[family] * used, (kind, used, model)
+        bound = MAX_OVERCOUNT[family]
+        if kind != "fwd" and max(cfg.block_kv_dq, cfg.block_q_dkv) > plan.BACKWARD_SUB_BLOCK:
+            bound = MAX_OVERCOUNT_WIDE_BACKWARD
+        assert used <= model <= bound * used, (kind, used, model)

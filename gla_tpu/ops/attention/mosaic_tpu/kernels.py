@@ -26,7 +26,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_tpu.ops.attention.mosaic_tpu import blocks, rows
-from gla_tpu.ops.attention.mosaic_tpu.plan import KernelConfig, cost_estimate
+from gla_tpu.ops.attention.mosaic_tpu.plan import (
+    KernelConfig,
+    backward_sub_block,
+    cost_estimate,
+)
 from gla_tpu.ops.attention.scores import base2_scores
 from gla_tpu.ops.common.base2 import LN_2, LOG2_E
 from gla_tpu.ops.common.masks import attention_visibility
@@ -90,6 +94,24 @@ def _call_name(kind: str, cfg: KernelConfig, bq: int, bkv: int) -> str:
     window = "" if cfg.window is None else f"_window={cfg.window[0]}_{cfg.window[1]}"
     cap = "" if cfg.logits_soft_cap is None else "_softcap"
     return f"flash_{kind}{causal}{window}{cap}_d{cfg.head_dim}_block_q={bq}_block_kv={bkv}"
+
+
+def _sub_start(c, size: int):
+    """The first row of sub-block c (an int, or a traced int32 in a loop) of `size` rows."""
+    return c * size if isinstance(c, int) else pl.multiple_of(c * size, size)
+
+
+def _plus(x, start):
+    """x + start, where start is a traced sub-block start (as is x where start is the int 0)."""
+    return x if isinstance(start, int) and start == 0 else x + start
+
+
+def _sub_loop(steps: int, body) -> None:
+    """body(c) for c < steps: inline for one step, else a loop (not unrolled)."""
+    if steps == 1:
+        body(0)
+    else:
+        pl.loop(0, steps)(body)
 
 
 # Forward.
@@ -426,31 +448,37 @@ def _forward_call(cfg, kernel, grid, args, in_specs, seg_specs, o_out, lse_spec,
 def _dq_head(cfg: KernelConfig, i, step, read, lse_ref, di_ref, dq_sc, write_dq, q_seg_ref,
              kv_seg_ref):
     """One head's dq at grid step (q block i, inner step `step`, the kv block
-    `blocks.kv_block_at`): read() -> (q, k, v, do), [bq, D] and [bkv, D]; lse_ref, di_ref
-    [1, bq] rows; dq_sc [bq, D] float32; write_dq(dq) stores the scaled float32 dq after the
-    last step."""
+    `blocks.kv_block_at`): read(start, size) -> (q, k, v, do), q and do [bq, D], k and v
+    [size, D] the rows start..start + size of the kv block (its `plan.backward_sub_block`s);
+    lse_ref, di_ref [1, bq] rows; dq_sc [bq, D] float32; write_dq(dq) stores the scaled float32
+    dq after the last step."""
     bq, bkv = cfg.block_q_dq, cfg.block_kv_dq
+    bkc = backward_sub_block(bkv)
     j = blocks.kv_block_at(cfg, i, step, bq, bkv)
 
     @pl.when(step == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    def compute(masked: bool):
-        q, k, v, do = read()
-        s, cap_grad = _scores(cfg, product(q, k, "nt"))  # [bq, bkv], base-2 units
-        p = jnp.exp2(s - _column(lse_ref) * LOG2_E)  # [bq, bkv]
+    def sub_step(masked: bool, c):
+        start = _sub_start(c, bkc)
+        q, k, v, do = read(start, bkc)
+        s, cap_grad = _scores(cfg, product(q, k, "nt"))  # [bq, bkc], base-2 units
+        p = jnp.exp2(s - _column(lse_ref) * LOG2_E)  # [bq, bkc]
         if masked:
             q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            k_pos = _plus(j * bkv, start) + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             q_seg = _column(q_seg_ref) if cfg.has_segments else None  # [bq, 1]
-            kv_seg = kv_seg_ref[...] if cfg.has_segments else None  # [1, bkv]
+            kv_seg = kv_seg_ref[:, pl.ds(start, bkc)] if cfg.has_segments else None  # [1, bkc]
             p = jnp.where(_visibility(cfg, q_pos, k_pos, q_seg, kv_seg), p, 0.0)
-        dp = product(do, v, "nt")  # [bq, bkv]
+        dp = product(do, v, "nt")  # [bq, bkc]
         ds = p * (dp - _column(di_ref))
         if cap_grad is not None:
             ds = ds * cap_grad
         dq_sc[...] += product(ds.astype(k.dtype), k)  # [bq, D]
+
+    def compute(masked: bool):
+        _sub_loop(bkv // bkc, lambda c: sub_step(masked, c))
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
@@ -468,7 +496,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelC
         dq_ref[...] = dq.astype(dq_ref.dtype)
 
     _dq_head(cfg, pl.program_id(2), pl.program_id(3),
-             lambda: (q_ref[...], k_ref[...], v_ref[...], do_ref[...]), lse_ref, di_ref, dq_sc,
+             lambda start, size: (q_ref[...], k_ref[pl.ds(start, size), :],
+                                  v_ref[pl.ds(start, size), :], do_ref[...]),
+             lse_ref, di_ref, dq_sc,
              write_dq, q_seg_ref, kv_seg_ref)
 
 
@@ -527,26 +557,34 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtyp
 
 def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_seg_ref,
               kv_seg_ref):
-    """One query head's share of dk and dv at grid step (kv block j, q block i): read() ->
-    (q, k, v, do); lse_ref, di_ref [1, bq] rows; accumulates into dk_sc, dv_sc [bkv, D]."""
+    """One query head's share of dk and dv at grid step (kv block j, q block i): read(start,
+    size) -> (q, k, v, do), q and do [size, D] the rows start..start + size of the q block (its
+    `plan.backward_sub_block`s), k and v [bkv, D]; lse_ref, di_ref [1, bq] rows; accumulates
+    into dk_sc, dv_sc [bkv, D]."""
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
+    bqc = backward_sub_block(bq)
 
-    def compute(masked: bool):
-        q, k, v, do = read()
-        s_t, cap_grad = _scores(cfg, product(k, q, "nt"))  # [bkv, bq], base-2 units
-        p_t = jnp.exp2(s_t - lse_ref[...] * LOG2_E)  # [bkv, bq]; lse row [1, bq]
+    def sub_step(masked: bool, c):
+        start = _sub_start(c, bqc)
+        cols = pl.ds(start, bqc) if bqc < bq else slice(None)
+        q, k, v, do = read(start, bqc)
+        s_t, cap_grad = _scores(cfg, product(k, q, "nt"))  # [bkv, bqc], base-2 units
+        p_t = jnp.exp2(s_t - lse_ref[:, cols] * LOG2_E)  # [bkv, bqc]; lse row [1, bqc]
         if masked:
             k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
-            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s_t.shape, 1)
-            q_seg = q_seg_ref[...] if cfg.has_segments else None  # [1, bq]
+            q_pos = _plus(i * bq, start) + lax.broadcasted_iota(jnp.int32, s_t.shape, 1)
+            q_seg = q_seg_ref[:, cols] if cfg.has_segments else None  # [1, bqc]
             kv_seg = _column(kv_seg_ref) if cfg.has_segments else None  # [bkv, 1]
             p_t = jnp.where(_visibility(cfg, q_pos, k_pos, q_seg, kv_seg), p_t, 0.0)
         dv_sc[...] += product(p_t.astype(do.dtype), do)  # [bkv, D]
         dp_t = product(v, do, "nt")
-        ds_t = p_t * (dp_t - di_ref[...])  # [bkv, bq]
+        ds_t = p_t * (dp_t - di_ref[:, cols])  # [bkv, bqc]
         if cap_grad is not None:
             ds_t = ds_t * cap_grad
         dk_sc[...] += product(ds_t.astype(q.dtype), q)  # [bkv, D]
+
+    def compute(masked: bool):
+        _sub_loop(bq // bqc, lambda c: sub_step(masked, c))
 
     _run_where_visible(cfg, i, j, bq, bkv, compute)
 
@@ -562,7 +600,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    _dkv_head(cfg, j, q_block, lambda: (q_ref[...], k_ref[...], v_ref[...], do_ref[...]),
+    _dkv_head(cfg, j, q_block,
+              lambda start, size: (q_ref[pl.ds(start, size), :], k_ref[...], v_ref[...],
+                                   do_ref[pl.ds(start, size), :]),
               lse_ref, di_ref, dk_sc, dv_sc, q_seg_ref, kv_seg_ref)
 
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))

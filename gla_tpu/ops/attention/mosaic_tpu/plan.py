@@ -374,9 +374,15 @@ def _backward_tiles_128_wide(problem, info, *tiles):
     - at D > 128 on two TensorCores per device (v5p), and on one (v5e) without a causal mask or
       segment ids;
     - at 64 <= D < 128 on two TensorCores per device (v5p);
-    elsewhere `tiles` as resolved (D = 128 keeps them). By libtpu's estimate (B1 H8 T4096
-    forward+backward, bfloat16) they take 5.3% (full) and 1.2% (causal) off at D = 256 on v5p,
-    and 3.7% (full) off on v5e, where causal gains nothing (+2.7%; segment ids unmeasured); at
+    and at D = 128 on one TensorCore (v5e), for full attention only (`_full_on_one_core`), dq in
+    512 x 4096 and dk/dv in 4096 x 512, each kernel taking its 4096-wide block in 1024-row
+    sub-blocks by a loop (`backward_sub_block`; 2048 where 4096 would pad further than
+    1024-blocks, `_wide_block`; not below T = 2048): 7% fewer backward cycles at B1 H8 T4096
+    with the compile time unchanged (docs/results/history.md, "Wide backward blocks on v5e");
+    elsewhere `tiles` as resolved (other D = 128 problems keep them). By libtpu's estimate (B1
+    H8 T4096 forward+backward, bfloat16) the 1024-tiles take 5.3% (full) and 1.2% (causal) off
+    at D = 256 on v5p, and 3.7% (full) off on v5e, where causal gains nothing (+2.7%; segment
+    ids unmeasured); at
     D = 64 on v5p, 8.2% (full) and 4.8% (causal); v5e's dk/dv kernel at D = 64 does not
     profile, so it keeps 512 there. In float32 they outgrow the default scoped VMEM
     (docs/results/history.md, "D = 256 backward tiles on v5p" and "D = 64 tiles on v5e and
@@ -386,13 +392,43 @@ def _backward_tiles_128_wide(problem, info, *tiles):
     d = problem.head_dim
     if (info is None or info.mxu_column_size > LANES
             or info.vmem_capacity_bytes < _LARGE_VMEM_BYTES
-            or jnp.dtype(problem.dtype).itemsize != 2 or d == LANES or d < 64):
+            or jnp.dtype(problem.dtype).itemsize != 2 or d < 64):
+        return tiles
+    if d == LANES:
+        q_wide, kv_wide = _wide_block(problem.q_len), _wide_block(problem.kv_len)
+        if _full_on_one_core(problem, info) and q_wide and kv_wide:
+            return 512, kv_wide, q_wide, 512
         return tiles
     two_cores = info.num_cores >= 2
     if not two_cores and (d < LANES or problem.causal or problem.has_segments):
         return tiles
     q_cap, kv_cap = _block_cap(problem.q_len), _block_cap(problem.kv_len)
     return min(1024, q_cap), min(1024, kv_cap), min(1024, q_cap), min(1024, kv_cap)
+
+
+# The dq kernel's key blocks and the dk/dv kernel's query blocks of full attention on one
+# TensorCore with 128-wide MXUs (v5e) at D = 128, widest first (`_wide_block`).
+_WIDE_BLOCKS = (4096, 2048)
+
+
+def _full_on_one_core(problem, info) -> bool:
+    """Whether the problem is full attention (no causal mask, segment ids, window or soft cap)
+    at D = 128 in a 16-bit dtype on a chip of one TensorCore per device (v5e; the caller checks
+    the MXU width and VMEM): where the backward takes wide blocks."""
+    return (info.num_cores == 1 and problem.head_dim == LANES
+            and jnp.dtype(problem.dtype).itemsize == 2 and not problem.causal
+            and not problem.has_segments and problem.window is None
+            and problem.logits_soft_cap is None)
+
+
+def _wide_block(length: int) -> int | None:
+    """The widest of `_WIDE_BLOCKS` within `_block_cap(length)` that pads `length` no further
+    than 1024-blocks do; None where none does (1024 tokens or fewer, or e.g. 3072)."""
+    padded = -(-length // 1024) * 1024
+    for block in _WIDE_BLOCKS:
+        if block <= _block_cap(length) and padded % block == 0:
+            return block
+    return None
 
 
 def _rows_apply(problem) -> bool:
@@ -470,6 +506,19 @@ def rows_vmem_bytes(bq: int, bkv: int, bkc: int, heads: int, kv_heads: int, d: i
 _TEMP_BYTES_PER_SCORE = {"fwd": 12, "dq": 10, "dkv": 14}
 
 
+# The backward kernels' sub-blocks: a kv block of the dq kernel (a q block of the dk/dv kernel)
+# wider than this is taken in sub-blocks of this many keys (queries) by a loop, so that the
+# kernel's code, and its compile time, does not grow with the block.
+BACKWARD_SUB_BLOCK = 1024
+
+
+def backward_sub_block(block: int) -> int:
+    """The rows a backward kernel takes of its `block` at a time (`BACKWARD_SUB_BLOCK`, or the
+    block)."""
+    sub = BACKWARD_SUB_BLOCK
+    return sub if block > sub and block % sub == 0 else block
+
+
 def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, itemsize: int,
                         *, block_kv_compute: int | None = None, segments: bool = False,
                         row_sum_on_mxu: bool = False) -> int:
@@ -498,7 +547,9 @@ def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, i
         else:  # dk, dv out, their float32 accumulators
             io += 2 * 2 * bkv * d * itemsize
             scratch = 2 * bkv * d * 4
-        tile = bq * bkv
+        # the score tile of one sub-block (backward_sub_block)
+        tile = (bq * backward_sub_block(bkv) if kind == "dq"
+                else backward_sub_block(bq) * bkv)
     else:
         raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
     return io + seg + scratch + _TEMP_BYTES_PER_SCORE[kind] * tile
