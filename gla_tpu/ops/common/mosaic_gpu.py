@@ -8,6 +8,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
+def interpret_params(interpret):
+    """`plgpu.kernel`'s interpret argument from a kernel's: the GPU interpreter's defaults for
+    True, an `InterpretGPUParams` as given, None (compiled) for False or None."""
+    return plgpu.InterpretGPUParams() if interpret is True else (interpret or None)
+
+
 def ring_producer(load, *, steps, stages: int, free) -> None:
     """A producer warpgroup's loop over a ring of `stages` shared-memory slots.
 

@@ -45,18 +45,19 @@ from gla_tpu.ops.common.mosaic_gpu import SWIZZLED
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     CHUNK,
     COL,
-    COMPILER_PARAMS,
+    F32,
+    GATE_DTYPE,
     GATE_FLOOR,
     LN2,
     LOG2E,
-    GATE_DTYPE,
     PREP_RANGES,
     ROW,
     SLAB,
-    F32,
-    T,
     WGMMA,
+    T,
     chunk_decays,
+    chunk_kernel,
+    cols,
     diagonal,
     head_major_gates,
     iota,
@@ -67,7 +68,6 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     matmul,
     range_constants,
     range_sums,
-    cols,
     rows,
 )
 
@@ -325,18 +325,11 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret):
         scratch += [plgpu.Barrier(num_arrivals=4),  # q, k, v, beta
                     plgpu.Barrier()]  # a range matrix is in
     key_type = jax.ShapeDtypeStruct((bsz, tp, hv, kd), dtype)
-    kernel = plgpu.kernel(
-        body,
-        out_type=[jax.ShapeDtypeStruct((bsz, tp, hv, c), dtype), key_type, key_type, key_type,
-                  jax.ShapeDtypeStruct((bsz, tp, hv, vd), dtype),
-                  jax.ShapeDtypeStruct((bsz, n, hv, kd), F32)],
-        scratch_types=scratch,
-        grid=(n, hv, bsz),
-        grid_names=("chunk", "head", "batch"),
-        kernel_name="delta_rule_wy_operands_mosaic",
-        compiler_params=COMPILER_PARAMS,
-        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
-    )
+    kernel = chunk_kernel(
+        body, [jax.ShapeDtypeStruct((bsz, tp, hv, c), dtype), key_type, key_type, key_type,
+               jax.ShapeDtypeStruct((bsz, tp, hv, vd), dtype),
+               jax.ShapeDtypeStruct((bsz, n, hv, kd), F32)],
+        scratch, (n, hv, bsz), "delta_rule_wy_operands_mosaic", interpret)
     args = [q, k, v, jnp.swapaxes(beta, 1, 2), head_major_gates(g)]
     if not per_head:
         args.append(range_constants(PREP_RANGES))

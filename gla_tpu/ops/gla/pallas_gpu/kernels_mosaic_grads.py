@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.common import pair_levels
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, interpret_params
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     BF16,
     CHUNK,
@@ -289,7 +289,7 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         grid_names=("chunk_slab", "head", "batch"),
         kernel_name="gla_grads_mosaic",
         compiler_params=COMPILER_PARAMS,
-        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
+        interpret=interpret_params(interpret),
     )
     with jax.named_scope(f"gla_grads_mosaic_key_dim={kd}"):
         dq, dk, dg = kernel(q, k, v, do, head_major_gates(g), last, h_hi, dh, term,

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.common import pair_levels
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, interpret_params
 
 CHUNK = 64
 SLAB = 64  # key columns per slab
@@ -282,6 +282,13 @@ def chunk_decays(ranges, gates, rest, *, interpret: bool):
     return jnp.sum(jnp.where(last_col, b_keys, 0.0), axis=1) * LN2
 
 
+def chunk_kernel(body, out_type, scratch, grid, name: str, interpret):
+    """A Mosaic GPU kernel of one block (one warpgroup) per (chunk, head, batch) of `grid`."""
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                        grid_names=("chunk", "head", "batch"), kernel_name=name,
+                        compiler_params=COMPILER_PARAMS, interpret=interpret_params(interpret))
+
+
 # The range matrices prep reads, in the order it reads them: one per level, then b and b_last - b
 PREP_RANGES = tuple(f"level{level}" for level in range(pair_levels.num_levels(CHUNK))) + (
     "prefix", "suffix")
@@ -375,16 +382,8 @@ def prep(q, k, g, *, scale: float, interpret):
     if per_head:
         scratch.append(plgpu.SMEM((c,), F32))  # the chunk's per-head gates
     token_type = jax.ShapeDtypeStruct(q.shape, dtype)
-    kernel = plgpu.kernel(
-        body,
-        out_type=[jax.ShapeDtypeStruct((bsz, tp, h, c), dtype), token_type, token_type,
-                  jax.ShapeDtypeStruct((bsz, n, h, kd), F32)],
-        scratch_types=scratch,
-        grid=(n, h, bsz),
-        grid_names=("chunk", "head", "batch"),
-        kernel_name="gla_prep_mosaic",
-        compiler_params=COMPILER_PARAMS,
-        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
-    )
+    kernel = chunk_kernel(body, [jax.ShapeDtypeStruct((bsz, tp, h, c), dtype), token_type,
+                                 token_type, jax.ShapeDtypeStruct((bsz, n, h, kd), F32)],
+                          scratch, (n, h, bsz), "gla_prep_mosaic", interpret)
     with jax.named_scope(f"gla_prep_mosaic_key_dim={kd}"):
         return kernel(q, k, head_major_gates(g), range_constants(PREP_RANGES))

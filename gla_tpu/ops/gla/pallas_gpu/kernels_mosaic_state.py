@@ -48,7 +48,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_64, SWIZZLED_F32, ring_producer
+from gla_tpu.ops.common.mosaic_gpu import (
+    SWIZZLED,
+    SWIZZLED_64,
+    SWIZZLED_F32,
+    interpret_params,
+    ring_producer,
+)
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     COMPILER_PARAMS,
     F32,
@@ -368,7 +374,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, w
         thread_name="wg",
         kernel_name=name,
         compiler_params=COMPILER_PARAMS,
-        interpret=plgpu.InterpretGPUParams() if interpret is True else (interpret or None),
+        interpret=interpret_params(interpret),
     )
     operands = [x, y, decay] + ([s0] if has_s0 else [])
     if p.outputs:
