@@ -114,7 +114,7 @@ def ours_operands_only(q, k, v, beta, g):
     GPU kernel where it takes the problem, else XLA; their layout): the state pass's share is
     ours minus this."""
     from gla_tpu.ops.delta_rule import xla
-    from gla_tpu.ops.delta_rule.pallas_gpu import entry, kernels_mosaic_operands as kmo
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry
     from gla_tpu.ops.delta_rule.validation import validate_delta_rule
 
     problem, _, _ = validate_delta_rule(q, k, v, beta, g, scale=None, initial_state=None,
@@ -122,21 +122,10 @@ def ours_operands_only(q, k, v, beta, g):
                                         use_qk_l2norm=True, mode="chunk", chunk_size=None)
     problem = problem.with_chunk_size(entry.CHUNK)
     q, k, v, beta, gates = xla.grouped_inputs(q, k, v, beta, g, None, problem)
-    if not entry._kernel_operands_take(problem):
+    if not entry.kernel_operands_take(problem):
         operands, _ = entry.kernel_operands(q, k, v, beta, gates, None, problem=problem)
         return [x for x in operands if isinstance(x, jax.Array)]
-    b, t, h, kd = q.shape
-    hv, vd = problem.num_value_heads, problem.value_dim
-    kp, vp = (64 if kd <= 64 else 128), -(-vd // kmo.SLAB) * kmo.SLAB
-    pad = lambda x, w: jnp.pad(x, [(0, 0), (0, -t % 64), (0, 0), (0, w - x.shape[-1])])
-    gates = (jnp.zeros((b, t + -t % 64, hv), jnp.float32) if gates is None else
-             pad(gates.reshape(b, t, hv, -1), kp) if gates.shape[-1] > 1 else
-             jnp.pad(gates.reshape(b, t, hv), [(0, 0), (0, -t % 64), (0, 0)]))
-    return list(kmo.wy_operands(
-        pad(q, kp).astype(problem.dtype), pad(k, kp).astype(problem.dtype),
-        pad(v.reshape(b, t, hv, vd), vp).astype(problem.dtype),
-        jnp.pad(beta.reshape(b, t, hv), [(0, 0), (0, -t % 64), (0, 0)]), gates,
-        group=problem.group, scale=problem.scale, interpret=False))
+    return list(entry.wy_kernel_operands(q, k, v, beta, gates, problem=problem, interpret=False))
 
 
 def jla(kind):

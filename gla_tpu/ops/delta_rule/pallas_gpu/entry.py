@@ -72,7 +72,7 @@ def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
     t, kd, vd = q.shape[1], problem.key_dim, problem.value_dim
     inputs = (*xla.grouped_inputs(q, k, v, beta, g, starts, problem), initial_state)
     with jax.named_scope("delta_rule_pallas_gpu_chunk"):
-        if _kernel_operands_take(problem):
+        if kernel_operands_take(problem):
             o, final = _operands_and_passes(*inputs, problem, bool(interpret))
         else:
             o, final = _passes_on_xla_operands(*inputs, problem, bool(interpret))
@@ -80,10 +80,44 @@ def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
     return o, (final[:, :, :kd, :vd] if problem.output_final_state else None)
 
 
-def _kernel_operands_take(problem) -> bool:
+def _key_width(kd: int) -> int:
+    """K as the kernels take it: 64 or 128."""
+    return 64 if kd <= 64 else MAX_KEY_DIM
+
+
+def _kernel_value_width(vd: int) -> int:
+    """V as the WY operands kernel takes it: a multiple of its 64-column slabs."""
+    slab = kernels_mosaic_operands.SLAB
+    return -(-vd // slab) * slab
+
+
+def kernel_operands_take(problem) -> bool:
     """Whether the WY operands kernel takes the problem (its padded V at most 256)."""
-    return -(-problem.value_dim // kernels_mosaic_operands.SLAB) * kernels_mosaic_operands.SLAB \
-        <= kernels_mosaic_operands.MAX_VALUE_DIM
+    return _kernel_value_width(problem.value_dim) <= kernels_mosaic_operands.MAX_VALUE_DIM
+
+
+def wy_kernel_operands(q, k, v_, beta, gates, *, problem, interpret):
+    """The Mosaic GPU kernel's WY operands (`kernels_mosaic_operands.wy_operands`: scores, q_in,
+    k_out, w_neg, u0, last) for grouped inputs (`xla.grouped_inputs`), padded to its widths."""
+    b, t, _, kd = q.shape
+    hv = problem.num_value_heads
+    dtype = jnp.dtype(problem.dtype)
+    kp, vp = _key_width(kd), _kernel_value_width(problem.value_dim)
+
+    def padded(x, width):  # [B, T, ...] -> [B, Tp, HV|H, width] (zeros after)
+        return pad_last(pad_time(x.reshape(b, t, -1, x.shape[-1]), CHUNK), width)
+
+    beta_p = pad_time(beta.reshape(b, t, hv), CHUNK)
+    if gates is None:
+        gates_p = jnp.zeros(beta_p.shape, jnp.float32)
+    elif gates.shape[-1] == 1:  # per head
+        gates_p = pad_time(gates.reshape(b, t, hv), CHUNK)
+    else:
+        gates_p = padded(gates, kp)
+    return kernels_mosaic_operands.wy_operands(
+        padded(q, kp).astype(dtype), padded(k, kp).astype(dtype),
+        padded(v_, vp).astype(dtype), beta_p, gates_p.astype(jnp.float32),
+        group=problem.group, scale=problem.scale, interpret=interpret)
 
 
 # The forward alone takes the operands from the Mosaic GPU kernel; under differentiation they
@@ -93,33 +127,17 @@ def _kernel_operands_take(problem) -> bool:
 def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
     state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel."""
-    b, t, h, kd = q.shape
-    grp, vd, hv = problem.group, problem.value_dim, problem.num_value_heads
-    dtype = jnp.dtype(problem.dtype)
-    kp = 64 if kd <= 64 else MAX_KEY_DIM
-    vp = -(-vd // kernels_mosaic_operands.SLAB) * kernels_mosaic_operands.SLAB
-
-    def padded(x, width):  # [B, T, ...] -> [B, Tp, HV|H, width] (zeros after)
-        x = pad_time(x.reshape(b, t, -1, x.shape[-1]), CHUNK)
-        return pad_last(x, width)
-
-    qp, kp_ = (padded(x, kp).astype(dtype) for x in (q, k))
-    vp_ = padded(v_, vp).astype(dtype)
-    beta_p = pad_time(beta.reshape(b, t, hv), CHUNK)
-    if gates is None:
-        gates_p = jnp.zeros(beta_p.shape, jnp.float32)
-    elif gates.shape[-1] == 1:  # per head
-        gates_p = pad_time(gates.reshape(b, t, hv), CHUNK)
-    else:
-        gates_p = padded(gates, kp)
-    scores, q_in, k_out, w_neg, u0, last = kernels_mosaic_operands.wy_operands(
-        qp, kp_, vp_, beta_p, gates_p.astype(jnp.float32), group=grp, scale=problem.scale,
-        interpret=interpret)
+    b, _, _, kd = q.shape
+    vd, hv = problem.value_dim, problem.num_value_heads
+    kp, vp = _key_width(kd), _kernel_value_width(vd)
+    scores, q_in, k_out, w_neg, u0, last = wy_kernel_operands(q, k, v_, beta, gates,
+                                                              problem=problem, interpret=interpret)
     s0 = None
     if initial_state is not None:
         s0 = jnp.pad(initial_state.astype(jnp.float32),
                      [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
-    o, final = vjp.state_passes(k_out, u0, last, s0, q_in, scores, w_neg, dtype,
+    o, final = vjp.state_passes(k_out, u0, last, s0, q_in, scores, w_neg,
+                                jnp.dtype(problem.dtype),
                                 vjp.Passes(block_v=value_tile(b, hv, vd)), interpret)
     return o[..., :vd], final[..., :vd]
 
@@ -156,7 +174,7 @@ def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
     tp = q.shape[1]
     n = tp // CHUNK
     ops = xla.chunk_operands(q, k, v_, beta, gates, CHUNK, dtype)
-    kp = 64 if kd <= 64 else MAX_KEY_DIM
+    kp = _key_width(kd)
     bv = value_tile(b, hv, vd)
     vp = -(-vd // bv) * bv
 
