@@ -2,7 +2,8 @@
 Mosaic GPU kernels and fla's Triton kernels, forward and forward+backward.
 
     python3 bench/gpu_delta_rule.py --out OUT [--shapes 0,4] [--gates peer,kimi,strong]
-        [--betas sigmoid,2sigmoid] [--modes fwd,fwd+bwd] [--ours-only] [--no-xla] [--tag NAME]
+        [--betas sigmoid,2sigmoid] [--modes fwd,fwd+bwd] [--ours-only] [--no-xla] [--parts]
+        [--tag NAME]
     python3 bench/gpu_delta_rule.py --out OUT --decode      # one decode step, DECODE_SHAPES
 
 Inputs, as fla's op benchmarks draw them: q, k, v ~ N(0, 1) in bfloat16, q and k l2-normalized
@@ -109,10 +110,8 @@ def ours(backend):
     return fn
 
 
-def ours_operands_only(q, k, v, beta, g):
-    """What the "pallas_gpu" forward computes before its state pass (the WY operands: the Mosaic
-    GPU kernel where it takes the problem, else XLA; their layout): the state pass's share is
-    ours minus this."""
+def _grouped(q, k, v, beta, g):
+    """(problem, grouped inputs) as the "pallas_gpu" chunk path sees them."""
     from gla_tpu.ops.delta_rule import xla
     from gla_tpu.ops.delta_rule.pallas_gpu import entry
     from gla_tpu.ops.delta_rule.validation import validate_delta_rule
@@ -121,7 +120,83 @@ def ours_operands_only(q, k, v, beta, g):
                                         output_final_state=False, segment_ids=None,
                                         use_qk_l2norm=True, mode="chunk", chunk_size=None)
     problem = problem.with_chunk_size(entry.CHUNK)
-    q, k, v, beta, gates = xla.grouped_inputs(q, k, v, beta, g, None, problem)
+    return problem, xla.grouped_inputs(q, k, v, beta, g, None, problem)
+
+
+def training_parts(bench, shape, gate, beta, args):
+    """Where "pallas_gpu"'s forward+backward goes: the XLA WY operands (forward, and forward +
+    backward against random cotangents), the state passes on them (forward + backward), and of
+    those the training forward, the reversed pass and the per-chunk cotangents in XLA."""
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry, vjp
+
+    rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
+    g = args[4] if len(args) > 4 else None
+    problem, grouped = _grouped(*args[:4], g)
+
+    def operands(*grouped):
+        ops_, _ = entry.kernel_operands(*grouped, None, problem=problem)
+        return [x for x in ops_ if isinstance(x, jax.Array)]
+
+    rng = np.random.default_rng(2)
+    cts = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+           for x in jax.eval_shape(operands, *grouped)]
+    differentiable = [x for x in grouped if x is not None]
+
+    def operands_loss(*xs):
+        it = iter(xs)
+        full = [None if x is None else next(it) for x in grouped]
+        return sum(jnp.sum(o * jax.lax.optimization_barrier(c))
+                   for o, c in zip(operands(*full), cts))
+
+    ops_, passes = entry.kernel_operands(*grouped, None, problem=problem)
+    k_out, u0, last, _, q_in, scores, w_neg, dtype = ops_
+    ct = jnp.asarray(rng.standard_normal((shape[1], q_in.shape[1], shape[4], u0.shape[-1])),
+                     jnp.float32)
+
+    def passes_loss(k_out, u0, last, q_in, scores, w_neg):
+        o, _ = vjp.state_passes(k_out, u0, last, None, q_in, scores, w_neg, dtype, passes, False)
+        return jnp.sum(o.astype(jnp.float32) * jax.lax.optimization_barrier(ct))
+
+    def training_forward(k_out, u0, last, q_in, scores, w_neg):
+        return vjp.training_forward(k_out, u0, last, None, q_in, scores, w_neg, dtype, passes,
+                                    False)
+
+    state_args = (k_out, u0, last, q_in, scores, w_neg)
+    _, residuals = jax.jit(training_forward)(*state_args)
+    do = ct.astype(dtype)
+    reversed_out = jax.jit(lambda r, do: vjp.reversed_pass(r, do, None, passes, False))(
+        residuals, do)
+    du, dh_hi, dh_lo, term, _ = reversed_out
+    hi, lo = residuals[7:]
+    timed = [
+        ("ours_part_xla_operands", "fwd", lambda *xs: operands(*grouped), ()),
+        ("ours_part_xla_operands", "fwd+bwd",
+         jax.grad(operands_loss, argnums=tuple(range(len(differentiable)))), differentiable),
+        ("ours_part_state_passes", "fwd+bwd", jax.grad(passes_loss, argnums=tuple(range(6))),
+         state_args),
+        ("ours_part_state_pass_training", "fwd", training_forward, state_args),
+        ("ours_part_state_pass_reversed", "bwd",
+         lambda r, do: vjp.reversed_pass(r, do, None, passes, False), (residuals, do)),
+        ("ours_part_chunk_cotangents", "bwd",
+         lambda *xs: vjp.chunk_cotangents(*xs[:3], xs[3:5], xs[5:7], *xs[7:], interpret=False,
+                                            kernel=passes.cotangents_kernel),
+         (do, residuals[6], du, hi, lo, dh_hi, dh_lo, last, term)),
+    ]
+    for impl, mode, fn, xs in timed:
+        try:
+            rec(impl=impl, mode=mode, timing=time_jax(fn, *xs),
+                note="a part of ours_pallas_gpu's forward+backward")
+        except Exception as e:
+            rec(impl=impl, mode=mode, error=_error(e))
+
+
+def ours_operands_only(q, k, v, beta, g):
+    """What the "pallas_gpu" forward computes before its state pass (the WY operands: the Mosaic
+    GPU kernel where it takes the problem, else XLA; their layout): the state pass's share is
+    ours minus this."""
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry
+
+    problem, (q, k, v, beta, gates) = _grouped(q, k, v, beta, g)
     if not entry.kernel_operands_take(problem):
         operands, _ = entry.kernel_operands(q, k, v, beta, gates, None, problem=problem)
         return [x for x in operands if isinstance(x, jax.Array)]
@@ -176,7 +251,7 @@ class Bench:
               f"{beta:8s} {result}{'' if error is None else '  ' + error[:150]}", flush=True)
 
 
-def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True):
+def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts=False):
     variant = shape[0]
     q, k, v, b_, g, ct = inputs(0, shape, gate, beta)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(b_)]
@@ -217,6 +292,8 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True):
             note="the XLA part of ours_pallas_gpu's forward alone")
     except Exception as e:
         rec(impl="ours_pallas_gpu_operands", mode="fwd", error=_error(e))
+    if parts:
+        training_parts(bench, shape, gate, beta, args)
     if ours_only or reference is None:
         return
     import torch
@@ -255,8 +332,8 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True):
 
 
 def bench_decode(bench, shape, gate, beta):
-    """One decode step (T = 1, from a state ~ N(0, 1) float32, final state out): ours ("auto":
-    the "pallas_gpu" backend has no fused_recurrent mode, so "xla"'s token scan runs) against
+    """One decode step (T = 1, from a state ~ N(0, 1) float32, final state out): ours ("auto",
+    which runs "pallas_gpu"'s token-by-token kernel on Hopper, and "xla"'s token scan) against
     fla's `fused_recurrent_gated_delta_rule`."""
     import warnings
 
@@ -269,15 +346,20 @@ def bench_decode(bench, shape, gate, beta):
         jnp.asarray(b_), jnp.asarray(g), jnp.asarray(state)]
     rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
 
-    def fn(q, k, v, beta, g, s0):
-        return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
-                              use_qk_l2norm=True, mode="fused_recurrent")
+    def ours_decode(backend):
+        def fn(q, k, v, beta, g, s0):
+            return ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm=True, mode="fused_recurrent", backend=backend)
+        return fn
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "auto" falling back to "xla" warns once
-        ours_o, _ = jax.block_until_ready(jax.jit(fn)(*args))
-        rec(impl="ours_auto", mode="decode", timing=time_jax(fn, *args),
-            note="backend auto: xla fused_recurrent")
+        ours_o, _ = jax.block_until_ready(jax.jit(ours_decode("auto"))(*args))
+        rec(impl="ours_auto", mode="decode", timing=time_jax(ours_decode("auto"), *args),
+            note="backend auto: pallas_gpu's token-by-token kernel on Hopper")
+        xla_o, _ = jax.block_until_ready(jax.jit(ours_decode("xla"))(*args))
+        rec(impl="ours_xla", mode="decode", timing=time_jax(ours_decode("xla"), *args),
+            note=f"xla's token scan; rel err vs auto {rel_err(xla_o, ours_o):.1e}")
     try:
         import torch
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
@@ -313,6 +395,9 @@ def main(argv=None):
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--ours-only", action="store_true")
     parser.add_argument("--no-xla", action="store_true", help="leave out our 'xla' backend")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the parts of ours' forward+backward (XLA operands, "
+                             "state passes)")
     parser.add_argument("--decode", action="store_true",
                         help="time the decode step at DECODE_SHAPES instead (--shapes indexes them)")
     args = parser.parse_args(argv)
@@ -333,7 +418,7 @@ def main(argv=None):
                         bench_decode(bench, shape, gate, beta)
                         continue
                     bench_shape(bench, shape, gate, beta, args.modes.split(","), args.ours_only,
-                                with_xla=not args.no_xla)
+                                with_xla=not args.no_xla, parts=args.parts)
                 except Exception as e:
                     traceback.print_exc()
                     print(f"{shape}: not measured: {_error(e)}", flush=True)

@@ -71,7 +71,8 @@ def delta_rule(
       block_sizes: the backend's BlockSizes (performance only); None for "xla".
       backend: "auto", "mosaic_tpu", "pallas_gpu" or "xla". "mosaic_tpu" runs both modes (and a
         T = 1 decode kernel) at K, V in {64, 128, 256} in bfloat16 or float32; "pallas_gpu"
-        runs mode "chunk" on a Hopper GPU at K <= 128 in bfloat16 or float16; "auto" runs the
+        runs mode "chunk", and "fused_recurrent" for T <= 16, on a Hopper GPU at K <= 128 in
+        bfloat16 or float16; "auto" runs the
         platform's kernel backend where it takes the problem and "xla" elsewhere (with a
         one-time warning on a TPU or GPU).
       interpret: run a Pallas backend in interpret mode on CPU.

@@ -70,7 +70,7 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
     with jax.named_scope(f"delta_rule_xla_{problem.mode}"):
         if problem.mode == "fused_recurrent":
             q, k, v_, beta, gates = grouped_inputs(q, k, v, beta, g, None, problem)
-            o, final = _recurrent(q, k, v_, beta, gates, s0, starts, problem.scale)
+            o, final = token_scan(q, k, v_, beta, gates, s0, starts, problem.scale)
         else:
             q, k, v_, beta, gates = grouped_inputs(q, k, v, beta, g, starts, problem)
             o, final = _chunked(q, k, v_, beta, gates, s0, problem.scale, problem.chunk_size,
@@ -102,7 +102,7 @@ def grouped_inputs(q, k, v, beta, g, starts, problem):
     return q, k, v, beta, gates
 
 
-def _recurrent(q, k, v, beta, gates, s0, starts, scale):
+def token_scan(q, k, v, beta, gates, s0, starts, scale):
     """Token by token: S <- D S; u = beta (v - S^T k); S <- S + k u^T; o = scale S^T q."""
     b, t, h, kd = q.shape
     grp, vd = v.shape[3], v.shape[4]

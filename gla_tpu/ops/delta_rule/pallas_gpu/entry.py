@@ -1,5 +1,8 @@
 """Entry of the "pallas_gpu" delta-rule backend: what it takes, and the call.
 
+Mode "fused_recurrent" for T <= 16 (decoding): GLA's token-by-token kernel with beta
+(gla/pallas_gpu/kernels_recurrent.py, Triton lowering), the state read once and written once; its
+backward is autodiff of "xla"'s token scan.
 Mode "chunk" on a Hopper GPU (or the Mosaic GPU interpreter on CPU). The forward is two Mosaic GPU
 kernels: the per-chunk WY operands (kernels_mosaic_operands.py: decayed scores, the inverse,
 w and u0, q_in and k_out; every exponent a range sum <= 0), then GLA's state pass with
@@ -24,25 +27,44 @@ from gla_tpu.ops.common.padding import pad_last, pad_time
 from gla_tpu.ops.common.segments import segment_index, token_starts
 from gla_tpu.ops.delta_rule import xla
 from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands, vjp
+from gla_tpu.ops.gla.pallas_gpu import kernels_recurrent
+from gla_tpu.ops.gla.pallas_gpu.plan import MAX_RECURRENT_T
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 
 CHUNK = 64
 MAX_KEY_DIM = 128  # the state tile [K, block_v] float32 in one warpgroup's registers
+RECURRENT_DIMS = kernels_recurrent.DIMS  # K and V as the token-by-token kernel takes them
+# The token-by-token kernel's state tile: [K, 4096 / K] float32 over 8 warps. On an H200 at the
+# decode shapes (B64 HV16 K=V=128; B256 HV32 K=V=64) it was the fastest of 1024-16384 elements
+# over 1-8 warps (52 and 82 us); GLA's 8192 over 4 warps took 95 and 84 us (the delta rule holds
+# the state's products as well as the state).
+RECURRENT_TILE_ELEMENTS, RECURRENT_WARPS = 4096, 8
 
 CAPABILITIES = Capabilities(
     op="delta_rule", backend="pallas_gpu",
     platform="CUDA GPU (Hopper: H100/H200; CPU with interpret=True)",
     dtypes=("bfloat16", "float16"), dims=(("K", Dims(high=MAX_KEY_DIM)), ("V", ANY_DIM)),
-    features=DELTA_RULE_FEATURES, modes=("chunk",), gates=GATE_KINDS, chunk_sizes=(CHUNK,),
-    notes="chunk: the per-chunk WY operands in a Mosaic GPU kernel (forward; in XLA under "
-          "differentiation), then one Mosaic GPU state pass over the chunks (state in "
-          "registers, outputs fused), forward and reversed; the backward's per-chunk products "
-          "in XLA",
+    features=DELTA_RULE_FEATURES, modes=("chunk", "fused_recurrent"), gates=GATE_KINDS,
+    chunk_sizes=(CHUNK,),
+    notes="fused_recurrent (T <= 16, V <= 512): a token-by-token kernel for decoding, the "
+          "state read once and written once (Triton lowering); chunk: the per-chunk WY "
+          "operands in a Mosaic GPU kernel (forward; in XLA under differentiation), then "
+          "one Mosaic GPU state pass over the chunks (state in registers, outputs fused), "
+          "forward and reversed; the backward's per-chunk "
+          "cotangents in a Mosaic GPU kernel (per-head and no gates, K and V up to 128), "
+          "the operands' backward in XLA",
 )
 
 
 def check_supported(problem, block_sizes) -> None:
     CAPABILITIES.check(problem, block_sizes)
+    if problem.mode == "fused_recurrent" and (problem.seq_len > MAX_RECURRENT_T
+                                              or problem.value_dim > RECURRENT_DIMS[-1]):
+        raise NotImplementedError(
+            f"the 'pallas_gpu' delta_rule runs mode fused_recurrent for T <= {MAX_RECURRENT_T} "
+            f"and V <= {RECURRENT_DIMS[-1]} (a token-by-token kernel for decoding; mode chunk "
+            f"takes longer sequences); got T={problem.seq_len}, V={problem.value_dim}. "
+            "backend='xla' takes it.")
     if backends.default_platform() == "gpu" and not backends.is_hopper():
         raise NotImplementedError(
             "the 'pallas_gpu' delta_rule runs Mosaic GPU kernels, which need a Hopper GPU "
@@ -63,6 +85,9 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
             "the 'pallas_gpu' delta_rule runs on a Hopper GPU, or on CPU with interpret=True. "
             "backend='xla' takes it.")
     starts = None if segment_ids is None else token_starts(segment_index(segment_ids))
+    if problem.mode == "fused_recurrent":
+        return _few_tokens(q, k, v, beta, g, initial_state, starts, problem=problem,
+                           interpret=bool(interpret))
     return _chunked(q, k, v, beta, g, initial_state, starts, problem=problem,
                     interpret=bool(interpret))
 
@@ -78,6 +103,75 @@ def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
             o, final = _passes_on_xla_operands(*inputs, problem, bool(interpret))
     o = o[:, :t, :, :vd].astype(v.dtype)
     return o, (final[:, :, :kd, :vd] if problem.output_final_state else None)
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "interpret"))
+def _few_tokens(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
+    t = q.shape[1]
+    inputs = (*xla.grouped_inputs(q, k, v, beta, g, starts, problem), initial_state)
+    with jax.named_scope("delta_rule_pallas_gpu_fused_recurrent"):
+        o, final = _recurrence(*inputs, problem, interpret)
+    return (o[:, :t, :, :problem.value_dim].astype(v.dtype),
+            final[:, :, :problem.key_dim, :problem.value_dim]
+            if problem.output_final_state else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _recurrence(q, k, v_, beta, gates, initial_state, problem, interpret):
+    """grouped inputs (`xla.grouped_inputs`, segment starts as floor gates) -> (o [B, Tp, HV, Vp]
+    in the input dtype, final state [B, HV, Kp, Vp] float32), token by token in one kernel; T
+    padded to a power of two with tokens of beta = 0 (they leave the state unchanged), K and V
+    to the kernel's sizes with zeros."""
+    b, t, h, kd = q.shape
+    hv, vd = problem.num_value_heads, problem.value_dim
+    kp, vp = (next(d for d in RECURRENT_DIMS if d >= x) for x in (kd, vd))
+    tp = 1 << (t - 1).bit_length()
+
+    def padded(x, width):  # [B, T, heads, D] -> [B, Tp, heads, width], zeros after
+        return pad_last(jnp.pad(x, [(0, 0), (0, tp - t), (0, 0), (0, 0)]), width)
+
+    if gates is None:
+        gates_p = jnp.zeros((b, t, hv, kp), jnp.float32)
+    else:  # a per-head gate is every key's
+        gates_p = jnp.broadcast_to(gates, (*gates.shape[:-1], kd)).reshape(b, t, hv, kd)
+    s0 = None
+    if initial_state is not None:
+        s0 = jnp.pad(initial_state.astype(jnp.float32),
+                     [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    return kernels_recurrent.recurrent_forward(
+        padded(q, kp), padded(k, kp), padded(v_.reshape(b, t, hv, vd), vp).astype(problem.dtype),
+        padded(gates_p.astype(jnp.float32), kp), s0, scale=problem.scale, interpret=interpret,
+        beta=jnp.pad(beta.reshape(b, t, hv), [(0, 0), (0, tp - t), (0, 0)]), group=problem.group,
+        tile_elements=RECURRENT_TILE_ELEMENTS, num_warps=RECURRENT_WARPS)
+
+
+def _recurrence_fwd(q, k, v_, beta, gates, initial_state, problem, interpret):
+    return (_recurrence(q, k, v_, beta, gates, initial_state, problem, interpret),
+            (q, k, v_, beta, gates, initial_state))
+
+
+def _recurrence_bwd(problem, interpret, residuals, cotangents):
+    """Autodiff of "xla"'s token scan on the same inputs, float32 throughout."""
+    q, k, v_, beta, gates, initial_state = residuals
+    b, t, h, kd = q.shape
+    hv, vd = problem.num_value_heads, problem.value_dim
+    do, dfinal = cotangents
+    kp, vp = dfinal.shape[-2:]
+
+    def scan(q, k, v_, beta, gates, initial_state):
+        s0 = None if initial_state is None else initial_state.reshape(b, h, problem.group, kd, vd)
+        o, final = xla.token_scan(q, k, v_, beta, gates, s0, None, problem.scale)
+        o = pad_last(jnp.pad(o.reshape(b, t, hv, vd), [(0, 0), (0, do.shape[1] - t), (0, 0),
+                                                       (0, 0)]), vp)
+        final = jnp.pad(final.reshape(b, hv, kd, vd), [(0, 0), (0, 0), (0, kp - kd),
+                                                       (0, vp - vd)])
+        return o.astype(do.dtype), final
+
+    _, pullback = jax.vjp(scan, q, k, v_, beta, gates, initial_state)
+    return pullback((do, dfinal))
+
+
+_recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 
 def _key_width(kd: int) -> int:
@@ -193,4 +287,5 @@ def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
     s0 = None
     if initial_state is not None:
         s0 = jnp.pad(initial_state.astype(f32), [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
-    return (k_out, u0, last, s0, q_in, scores, w_neg, dtype), vjp.Passes(block_v=bv)
+    passes = vjp.Passes(block_v=bv, cotangents_kernel=problem.gate_kind != "key")
+    return (k_out, u0, last, s0, q_in, scores, w_neg, dtype), passes

@@ -4,9 +4,10 @@ Forward: GLA's state pass with Pass.delta (kernels_mosaic_state.py) walks the ch
 state in registers: u = u0 - w S, o = q_in S + M u, S <- exp(b_last) S + k_out^T u; under
 differentiation it also stores u and each chunk's entering state (two 16-bit parts).
 Backward: the reversed pass gives du = M^T do + k_out dS' and dS <- exp(b_last) dS' + q_in^T do
-- w^T du per chunk (dS' stored per chunk, one 16-bit part), the state term of d b_last and
-d initial_state; the rest is per chunk in parallel, in XLA (the cotangents of the state pass's
-inputs, docs/delta_rule_math.md "Backward"):
+- w^T du per chunk (dS' stored per chunk, two 16-bit parts), the state term of d b_last and
+d initial_state; the rest is per chunk in parallel (the cotangents of the state pass's inputs,
+docs/delta_rule_math.md "Backward"; the products in kernels_mosaic_cotangents.py where it takes
+the problem and `Passes.cotangents_kernel` asks for it, else in XLA):
 
     d q_in = do S^T,   d k_out = u dS'^T,   d w = -du S^T,   d u0 = du,   d M = do u^T,
     d b_last = exp(b_last) sum_V S dS'
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
+from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_cotangents
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_state import Pass, state_pass
 
 F32 = jnp.float32
@@ -34,6 +36,11 @@ class Passes:
 
     block_v: int = 64
     out_parts: int = 2  # 16-bit parts of S in u = u0 - w S and q_in S (2: float32-accurate)
+    # the per-chunk cotangents in a Mosaic GPU kernel where it takes K and V (else XLA). Per-key
+    # gates keep XLA's: on an H200 the kernel made KDA's forward+backward slower (46.9 -> 52.8 ms
+    # at (2, 8192, 32, 32, 128, 128)) while Gated DeltaNet's went 7.91 -> 6.75 ms; the cause (how
+    # XLA schedules the per-key operands' autodiff around it) is not established.
+    cotangents_kernel: bool = True
 
     def forward(self, training: bool) -> Pass:
         return Pass(reverse=False, outputs=True, store_parts=2 if training else 0,
@@ -58,8 +65,13 @@ def state_passes(k_out, u0, last, s0, q_in, scores, w_neg, dtype, passes: Passes
 
 
 def _fwd(k_out, u0, last, s0, q_in, scores, w_neg, dtype, passes, interpret):
-    k_out, u0, last, s0, q_in, scores, w_neg = custom_vjp_primal_tree_values(
-        (k_out, u0, last, s0, q_in, scores, w_neg))
+    primals = custom_vjp_primal_tree_values((k_out, u0, last, s0, q_in, scores, w_neg))
+    return training_forward(*primals, dtype, passes, interpret)
+
+
+def training_forward(k_out, u0, last, s0, q_in, scores, w_neg, dtype, passes, interpret):
+    """The forward state pass that also stores u and each chunk's entering state: ((o, final),
+    the residuals of the backward)."""
     k_out, u0, q_in, scores, w_neg = (x.astype(dtype) for x in (k_out, u0, q_in, scores, w_neg))
     o, u, hi, lo, final = state_pass(k_out, u0, last, s0, w=q_in, a=scores, w_neg=w_neg,
                                      p=passes.forward(training=True), interpret=interpret)
@@ -67,13 +79,37 @@ def _fwd(k_out, u0, last, s0, q_in, scores, w_neg, dtype, passes, interpret):
 
 
 def _bwd(dtype, passes, interpret, residuals, cotangents):
-    k_out, last, s0, q_in, scores, w_neg, u, hi, lo = residuals
     do, dfinal = cotangents
-    do = (jnp.zeros(u.shape, dtype) if isinstance(do, SymbolicZero) else do.astype(dtype))
+    do = (jnp.zeros(residuals[6].shape, dtype) if isinstance(do, SymbolicZero)
+          else do.astype(dtype))
     dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal.astype(F32)
-    du, dh_hi, dh_lo, term, ds0 = state_pass(q_in, do, last, dfinal, w=k_out, a=scores,
-                                             w_neg=w_neg, h_parts=(hi, lo), p=passes.reversed(),
-                                             interpret=interpret)
+    du, dh_hi, dh_lo, term, ds0 = reversed_pass(residuals, do, dfinal, passes, interpret)
+    k_out, last, s0, q_in, scores, w_neg, u, hi, lo = residuals
+    d_k_out, du, d_last, d_q_in, d_scores, d_w_neg = chunk_cotangents(
+        do, u, du, (hi, lo), (dh_hi, dh_lo), last, term, interpret=interpret,
+        kernel=passes.cotangents_kernel)
+    return d_k_out, du, d_last, None if s0 is None else ds0, d_q_in, d_scores, d_w_neg
+
+
+def reversed_pass(residuals, do, dfinal, passes: Passes, interpret):
+    """The reversed state pass: (du [B, Tp, HV, V], dS' per chunk as two 16-bit parts
+    [B, N, HV, K, V], the state term of d b_last, d initial_state) for the output cotangent do (in
+    the input dtype) and that of the final state (float32 or None)."""
+    k_out, last, _, q_in, scores, w_neg, _, hi, lo = residuals
+    return state_pass(q_in, do, last, dfinal, w=k_out, a=scores, w_neg=w_neg, h_parts=(hi, lo),
+                      p=passes.reversed(), interpret=interpret)
+
+
+def chunk_cotangents(do, u, du, h_parts, dh_parts, last, term, *, interpret, kernel=True):
+    """Per chunk, in parallel: the cotangents of the state pass's inputs (d k_out, d u0,
+    d b_last, d q_in, d scores, d w_neg; float32) from do, u, du [B, Tp, HV, V] and the states
+    entering (h_parts) and the cotangents leaving (dh_parts) each chunk: with `kernel`, a Mosaic
+    GPU kernel (kernels_mosaic_cotangents.py) where it takes K and V, else XLA."""
+    d_last = jnp.exp(last) * jnp.sum(term, axis=3)  # [B, N, HV, K]
+    if kernel and kernels_mosaic_cotangents.takes(h_parts[0].shape[3], u.shape[3]):
+        d_q_in, d_k_out, d_w_neg, d_scores = kernels_mosaic_cotangents.chunk_cotangents(
+            do, u, du, h_parts, dh_parts, interpret=interpret)
+        return d_k_out, du.astype(F32), d_last, d_q_in, d_scores, d_w_neg
     b, tp, hv, _ = u.shape
     n = last.shape[1]
     c = tp // n
@@ -90,14 +126,12 @@ def _bwd(dtype, passes, interpret, residuals, cotangents):
         return tokens(sum(jnp.einsum("bnchv,bnhkv->bnchk", chunks(x), part,
                                      preferred_element_type=F32) for part in parts))
 
-    d_q_in = times_state_t(do, (hi, lo))  # the state entering each chunk
-    d_k_out = times_state_t(u, (dh_hi, dh_lo))  # the cotangent of the state leaving it
-    d_w_neg = times_state_t(du, (hi, lo))
+    d_q_in = times_state_t(do, h_parts)  # the state entering each chunk
+    d_k_out = times_state_t(u, dh_parts)  # the cotangent of the state leaving it
+    d_w_neg = times_state_t(du, h_parts)
     d_scores = tokens(jnp.einsum("bnihv,bnjhv->bnihj", chunks(do), chunks(u),
                                  preferred_element_type=F32))
-    d_last = jnp.exp(last) * jnp.sum(term, axis=3)  # [B, N, HV, K]
-    return (d_k_out, du.astype(F32), d_last, None if s0 is None else ds0, d_q_in, d_scores,
-            d_w_neg)
+    return d_k_out, du.astype(F32), d_last, d_q_in, d_scores, d_w_neg
 
 
 state_passes.defvjp(_fwd, _bwd, symbolic_zeros=True)
