@@ -15,7 +15,7 @@ import pytest
 
 from gla_tpu import ops
 from gla_tpu.ops.common import backends
-from gla_tpu.ops.delta_rule.pallas_gpu import vjp
+from gla_tpu.ops.delta_rule.pallas_gpu import entry, vjp
 from gla_tpu.testing import DeltaRuleCase as C
 from gla_tpu.testing.gpu_lowering import hopper_target
 from gla_tpu.testing.parity import check_delta_rule_parity
@@ -61,6 +61,52 @@ def test_interpreter_forward_against_float64_recurrence(case, dtype):
     shares GLA's pair levels, which GLA's tests cover."""
     check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu", interpret=True,
                             grads=False)
+
+
+# The WY operands' backward kernel (entry.OPERANDS_BACKWARD, off by default until checked on a
+# GPU): per-head gates with grouped value heads, segments and an initial state; --full: DeltaNet
+# at K = V = 128 with segments, strong gates at K = 32, V = 24 (padded), Kimi gates without a
+# final state at V = 128.
+OPERANDS_BACKWARD_CASES = {
+    "head-T130-gva-seg": C(1, 130, 1, 2, 64, 64, gate="head", initial_state=True, segments=True),
+}
+FULL_OPERANDS_BACKWARD_CASES = {
+    "none-T70-K128-V128-seg": C(1, 70, 1, 1, 128, 128, gate="none", segments=True),
+    "head-strong-T100-K32-V24": C(2, 100, 2, 4, 32, 24, gate="head", gate_strength=1 / 16,
+                                  initial_state=True),
+    "head-kimi-T100-V128-no-final": C(1, 100, 1, 2, 64, 128, gate="head", gate_law="kimi",
+                                      initial_state=True, output_final_state=False),
+}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=n) for n, c in OPERANDS_BACKWARD_CASES.items()] + [
+    pytest.param(c, id=n, marks=pytest.mark.full)
+    for n, c in FULL_OPERANDS_BACKWARD_CASES.items()])
+def test_interpreter_operands_backward_kernel_against_float64(monkeypatch, case):
+    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", True)
+    check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu", interpret=True)
+
+
+def test_operands_backward_kernel_lowers_for_hopper(monkeypatch):
+    """With the operands' backward kernel the gradient runs five Mosaic GPU kernels: the WY
+    operands, the training state pass, the reversed pass, the per-chunk cotangents and the
+    operands' backward."""
+    monkeypatch.setattr(backends, "is_hopper", lambda: True)
+    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", True)
+    s = jax.ShapeDtypeStruct
+    q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)
+    beta, g, s0 = s((2, 1000, 4), F32), s((2, 1000, 4), F32), s((2, 4, 128, 128), F32)
+
+    def loss(q, k, v, beta, g, s0):
+        o, final = ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
+                                  mode="chunk", backend="pallas_gpu")
+        return jnp.sum(o.astype(F32)) + jnp.sum(final)
+
+    with hopper_target():
+        text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(q, q, v, beta, g, s0)
+                .lower(lowering_platforms=("cuda",)).as_text())
+    assert text.count("custom_call @mosaic_gpu") == 5
 
 
 # Mode fused_recurrent (T <= 16: decoding), the token-by-token kernel: per-head gates with grouped
@@ -200,6 +246,21 @@ def test_gpu_forward_against_float64_recurrence(case, dtype):
     """The forward alone (its WY operands from the Mosaic GPU kernel)."""
     assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
     check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu", grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=n) for n, (c, d) in GPU_CASES.items()
+    if c.gate != "key" and d == BF16 and c.value_dim <= 128] + [
+    pytest.param(C(2, 777, 1, 2, 64, 128, gate="head", gate_strength=s, segments=True), id=n)
+    for n, s in (("head-strong-T777-K64-V128", 1 / 16),
+                 ("head-subnormal-T777-K64-V128", 1e-3))])
+def test_gpu_operands_backward_kernel_against_float64(monkeypatch, case):
+    """The WY operands' backward kernel (entry.OPERANDS_BACKWARD) on the GPU cases it takes, and
+    strong gates at V = 128."""
+    assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
+    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", True)
+    check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu")
 
 
 @pytest.mark.gpu

@@ -381,6 +381,62 @@ def test_math_doc_backward_matches_autodiff(gate):
         assert np.all(np.isfinite(a)) and _rel(a, b) < 1e-12, (name, _rel(a, b))
 
 
+def test_math_doc_operands_backward_matches_autodiff():
+    """docs/delta_rule_math.md's "Backward of the operands" (the formulas of the GPU backend's
+    operands backward kernel, dg as three sums over their own terms) against JAX autodiff of one
+    chunk's operands, float64, per-head gates."""
+    c, kd, vd, scale = 16, 8, 6, 8**-0.5
+    rng = np.random.default_rng(23)
+    q, k, v = (rng.standard_normal((c, d)) for d in (kd, kd, vd))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    beta = 2.0 / (1.0 + np.exp(-rng.standard_normal(c)))
+    g = -np.logaddexp(0.0, -rng.standard_normal(c)) * 3
+    r, x = np.arange(c)[:, None], np.arange(c)[None, :]
+    lower, strict = x <= r, x < r
+
+    with jax.enable_x64(True):
+        def operands(q, k, v, beta, g):
+            b = jnp.cumsum(g)
+            decay = jnp.where(lower, jnp.exp(jnp.where(lower, b[:, None] - b[None, :], 0.0)), 0)
+            m = scale * jnp.where(lower, q @ k.T * decay, 0.0)
+            a = beta[:, None] * jnp.where(strict, k @ k.T * decay, 0.0)
+            t_inv = jnp.linalg.inv(jnp.eye(c) + a)
+            w = t_inv @ (beta[:, None] * k * jnp.exp(b)[:, None])
+            return (m, scale * q * jnp.exp(b)[:, None], k * jnp.exp(b[-1] - b)[:, None], -w,
+                    t_inv @ (beta[:, None] * v), b[-1])
+
+        primals, pullback = jax.vjp(operands, q, k, v, beta, g)
+        cts = [rng.standard_normal(np.shape(p)) for p in primals]
+        expected = [np.asarray(e) for e in pullback(tuple(jnp.asarray(t) for t in cts))]
+    d_m, dq_in, dk_out, dw_neg, du0, d_last = cts
+    b = np.cumsum(g)
+    decay = np.where(lower, np.exp(np.where(lower, b[:, None] - b[None, :], 0.0)), 0.0)
+    kk_d = np.where(strict, k @ k.T * decay, 0.0)
+    a = beta[:, None] * kk_d
+    m = scale * np.where(lower, q @ k.T * decay, 0.0)
+    t_inv = np.linalg.inv(np.eye(c) + a)
+    e_b, e_after = np.exp(b)[:, None], np.exp(b[-1] - b)[:, None]
+    kb, vb, dw = beta[:, None] * k * e_b, beta[:, None] * v, -dw_neg
+    d_t = dw @ kb.T + du0 @ vb.T
+    dkb, dvb = t_inv.T @ dw, t_inv.T @ du0
+    d_a = -np.where(strict, t_inv.T @ d_t @ t_inv.T, 0.0)
+    g_m, g_a = scale * d_m * decay, beta[:, None] * d_a * decay
+    w_pairs = d_a * a + np.where(lower, d_m * m, 0.0)
+    x_sum = np.sum(dkb * kb, 1) + np.sum(dq_in * scale * q * e_b, 1)
+    r_sum = np.sum(dk_out * k * e_after, 1)
+    at_or_after = (x >= r).astype(float)  # [t, r]: r >= t
+    ours = [
+        g_m @ k + scale * e_b * dq_in,
+        beta[:, None] * e_b * dkb + e_after * dk_out + g_a @ k + g_a.T @ k + g_m.T @ q,
+        beta[:, None] * dvb,
+        np.sum(dvb * v, 1) + np.sum(dkb * k * e_b, 1) + np.sum(d_a * kk_d, 1),
+        np.sum(np.where(strict, at_or_after @ w_pairs, 0.0), 1)
+        + np.sum(at_or_after @ np.diag(x_sum), 1) + np.sum(strict @ np.diag(r_sum), 1) + d_last,
+    ]
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta", "dg"), ours, expected):
+        assert _rel(got, want) < 1e-12, (name, _rel(got, want))
+
+
 @pytest.mark.parametrize("gate", GATES)
 def test_jax_recurrence_matches_numpy(gate):
     """delta_rule_recurrent_jax, jitted, against delta_rule_recurrent: GVA, segments with a

@@ -26,13 +26,21 @@ from gla_tpu.ops.common.capabilities import ANY_DIM, DELTA_RULE_FEATURES, Capabi
 from gla_tpu.ops.common.padding import pad_last, pad_time
 from gla_tpu.ops.common.segments import segment_index, token_starts
 from gla_tpu.ops.delta_rule import xla
-from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands, vjp
+from gla_tpu.ops.delta_rule.pallas_gpu import (
+    kernels_mosaic_operands,
+    kernels_mosaic_operands_bwd,
+    vjp,
+)
 from gla_tpu.ops.gla.pallas_gpu import kernels_recurrent
 from gla_tpu.ops.gla.pallas_gpu.plan import MAX_RECURRENT_T
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 
 CHUNK = 64
 MAX_KEY_DIM = 128  # the state tile [K, block_v] float32 in one warpgroup's registers
+# The WY operands' backward in a Mosaic GPU kernel (kernels_mosaic_operands_bwd.py) where it
+# takes the problem; off until it is checked and timed on a GPU (the interpreter on CPU agrees
+# with the float64 references).
+OPERANDS_BACKWARD = False
 RECURRENT_DIMS = kernels_recurrent.DIMS  # K and V as the token-by-token kernel takes them
 # The token-by-token kernel's state tile: [K, 4096 / K] float32 over 8 warps. On an H200 at the
 # decode shapes (B64 HV16 K=V=128; B256 HV32 K=V=64) it was the fastest of 1024-16384 elements
@@ -89,16 +97,18 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
         return _few_tokens(q, k, v, beta, g, initial_state, starts, problem=problem,
                            interpret=bool(interpret))
     return _chunked(q, k, v, beta, g, initial_state, starts, problem=problem,
-                    interpret=bool(interpret))
+                    interpret=bool(interpret),
+                    operands_backward=OPERANDS_BACKWARD and operands_backward_takes(problem))
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "interpret"))
-def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
+@functools.partial(jax.jit, static_argnames=("problem", "interpret", "operands_backward"))
+def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret, operands_backward):
     t, kd, vd = q.shape[1], problem.key_dim, problem.value_dim
     inputs = (*xla.grouped_inputs(q, k, v, beta, g, starts, problem), initial_state)
     with jax.named_scope("delta_rule_pallas_gpu_chunk"):
         if kernel_operands_take(problem):
-            o, final = _operands_and_passes(*inputs, problem, bool(interpret))
+            o, final = _operands_and_passes(*inputs, problem, bool(interpret),
+                                            operands_backward)
         else:
             o, final = _passes_on_xla_operands(*inputs, problem, bool(interpret))
     o = o[:, :t, :, :vd].astype(v.dtype)
@@ -193,6 +203,15 @@ def kernel_operands_take(problem) -> bool:
 def wy_kernel_operands(q, k, v_, beta, gates, *, problem, interpret):
     """The Mosaic GPU kernel's WY operands (`kernels_mosaic_operands.wy_operands`: scores, q_in,
     k_out, w_neg, u0, last) for grouped inputs (`xla.grouped_inputs`), padded to its widths."""
+    return kernels_mosaic_operands.wy_operands(
+        *_kernel_inputs(q, k, v_, beta, gates, problem), group=problem.group,
+        scale=problem.scale, interpret=interpret)
+
+
+def _kernel_inputs(q, k, v_, beta, gates, problem):
+    """Grouped inputs as the WY operand kernels take them: q, k [B, Tp, H, Kp] and v
+    [B, Tp, HV, Vp] in the input dtype, beta [B, Tp, HV] and the gates ([B, Tp, HV] per head,
+    zeros for none; [B, Tp, HV, Kp] per key) float32."""
     b, t, _, kd = q.shape
     hv = problem.num_value_heads
     dtype = jnp.dtype(problem.dtype)
@@ -208,32 +227,38 @@ def wy_kernel_operands(q, k, v_, beta, gates, *, problem, interpret):
         gates_p = pad_time(gates.reshape(b, t, hv), CHUNK)
     else:
         gates_p = padded(gates, kp)
-    return kernels_mosaic_operands.wy_operands(
-        padded(q, kp).astype(dtype), padded(k, kp).astype(dtype),
-        padded(v_, vp).astype(dtype), beta_p, gates_p.astype(jnp.float32),
-        group=problem.group, scale=problem.scale, interpret=interpret)
+    return (padded(q, kp).astype(dtype), padded(k, kp).astype(dtype),
+            padded(v_, vp).astype(dtype), beta_p, gates_p.astype(jnp.float32))
 
 
-# The forward alone takes the operands from the Mosaic GPU kernel; under differentiation they
-# come from XLA ("xla"'s chunk_operands), whose autodiff carries the state passes' cotangents
-# back to the inputs (the backward of the operands is not a kernel yet).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
+# The forward alone takes the operands from the Mosaic GPU kernel. Under differentiation, with
+# `operands_backward` (per-head gates and none, bfloat16, V <= 128: `operands_backward_takes`)
+# the training forward takes them from the kernel too and the backward runs
+# kernels_mosaic_operands_bwd.py; otherwise they come from XLA ("xla"'s chunk_operands), whose
+# autodiff carries the state passes' cotangents back to the inputs.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret,
+                         operands_backward):
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
     state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel."""
+    del operands_backward
     b, _, _, kd = q.shape
     vd, hv = problem.value_dim, problem.num_value_heads
-    kp, vp = _key_width(kd), _kernel_value_width(vd)
     scores, q_in, k_out, w_neg, u0, last = wy_kernel_operands(q, k, v_, beta, gates,
                                                               problem=problem, interpret=interpret)
-    s0 = None
-    if initial_state is not None:
-        s0 = jnp.pad(initial_state.astype(jnp.float32),
-                     [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
-    o, final = vjp.state_passes(k_out, u0, last, s0, q_in, scores, w_neg,
-                                jnp.dtype(problem.dtype),
+    o, final = vjp.state_passes(k_out, u0, last, _padded_state(initial_state, problem), q_in,
+                                scores, w_neg, jnp.dtype(problem.dtype),
                                 vjp.Passes(block_v=value_tile(b, hv, vd)), interpret)
     return o[..., :vd], final[..., :vd]
+
+
+def _padded_state(initial_state, problem):
+    """[B, HV, K, V] -> [B, HV, Kp, Vp] float32 (the operand kernels' widths), or None."""
+    if initial_state is None:
+        return None
+    kd, vd = problem.key_dim, problem.value_dim
+    kp, vp = _key_width(kd), _kernel_value_width(vd)
+    return jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
 
 
 def _passes_on_xla_operands(q, k, v_, beta, gates, initial_state, problem, interpret):
@@ -244,13 +269,58 @@ def _passes_on_xla_operands(q, k, v_, beta, gates, initial_state, problem, inter
     return o[..., :vd], final[..., :vd]
 
 
-def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, interpret):
-    return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
-                                     interpret=interpret), q, k, v_, beta, gates, initial_state)
+def operands_backward_takes(problem) -> bool:
+    """Whether the WY operands' backward kernel takes the problem."""
+    return (problem.gate_kind != "key" and kernel_operands_take(problem)
+            and kernels_mosaic_operands_bwd.takes(_key_width(problem.key_dim),
+                                                  _kernel_value_width(problem.value_dim),
+                                                  problem.dtype))
 
 
-def _operands_and_passes_bwd(problem, interpret, pullback, cotangents):
-    return pullback(cotangents)
+def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, interpret,
+                             operands_backward):
+    if not operands_backward:
+        return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
+                                         interpret=interpret),
+                       q, k, v_, beta, gates, initial_state)
+    b, _, _, kd = q.shape
+    vd, hv = problem.value_dim, problem.num_value_heads
+    inputs = _kernel_inputs(q, k, v_, beta, gates, problem)
+    scores, q_in, k_out, w_neg, u0, last = kernels_mosaic_operands.wy_operands(
+        *inputs, group=problem.group, scale=problem.scale, interpret=interpret)
+    passes = vjp.Passes(block_v=value_tile(b, hv, vd))
+    (o, final), passes_residuals = vjp.training_forward(
+        k_out, u0, last, _padded_state(initial_state, problem), q_in, scores, w_neg,
+        jnp.dtype(problem.dtype), passes, interpret)
+    return ((o[..., :vd], final[..., :vd]),
+            (inputs, passes_residuals, q.shape, gates is None, initial_state is None))
+
+
+def _operands_and_passes_bwd(problem, interpret, operands_backward, residuals, cotangents):
+    if not operands_backward:
+        return residuals(cotangents)  # XLA's pullback
+    inputs, passes_residuals, (b, t, h, kd), no_gates, no_state = residuals
+    grp, vd, dtype = problem.group, problem.value_dim, jnp.dtype(problem.dtype)
+    do, dfinal = cotangents
+    vp = passes_residuals[6].shape[-1]  # u's width
+    do = pad_last(do, vp)
+    dfinal = jnp.pad(dfinal, [(0, 0), (0, 0), (0, 0), (0, vp - vd)])
+    b_v = value_tile(b, problem.num_value_heads, vd)
+    d_k_out, d_u0, d_last, d_s0, d_q_in, d_scores, d_w_neg = vjp.state_passes_backward(
+        passes_residuals, do, dfinal, dtype, vjp.Passes(block_v=b_v), interpret)
+    dq, dk, dv, dbeta, dg = kernels_mosaic_operands_bwd.wy_operands_backward(
+        *inputs, d_scores, d_q_in, d_k_out, d_w_neg, d_u0, group=grp, scale=problem.scale,
+        interpret=interpret)
+    # the cotangent of b_last reaches every gate of its chunk
+    dg = dg + jnp.repeat(jnp.sum(d_last, axis=-1), CHUNK, axis=1)
+
+    def grouped(x, width):  # [B, Tp, HV, D] -> [B, T, H, G, width]
+        return x[:, :t, :, :width].reshape(b, t, h, grp, width)
+
+    return (grouped(dq, kd).sum(axis=3), grouped(dk, kd).sum(axis=3), grouped(dv, vd),
+            dbeta[:, :t].reshape(b, t, h, grp),
+            None if no_gates else dg[:, :t].reshape(b, t, h, grp, 1),
+            None if no_state else d_s0[..., :kd, :vd])
 
 
 _operands_and_passes.defvjp(_operands_and_passes_fwd, _operands_and_passes_bwd)
