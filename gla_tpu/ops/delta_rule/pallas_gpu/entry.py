@@ -31,9 +31,9 @@ from gla_tpu.ops.delta_rule.pallas_gpu import (
     kernels_mosaic_operands_bwd,
     vjp,
 )
+from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 from gla_tpu.ops.gla.pallas_gpu import kernels_recurrent
 from gla_tpu.ops.gla.pallas_gpu.plan import MAX_RECURRENT_T
-from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 
 CHUNK = 64
 MAX_KEY_DIM = 128  # the state tile [K, block_v] float32 in one warpgroup's registers
@@ -58,9 +58,8 @@ CAPABILITIES = Capabilities(
           "state read once and written once (Triton lowering); chunk: the per-chunk WY "
           "operands in a Mosaic GPU kernel (forward; in XLA under differentiation), then "
           "one Mosaic GPU state pass over the chunks (state in registers, outputs fused), "
-          "forward and reversed; the backward's per-chunk "
-          "cotangents in a Mosaic GPU kernel (per-head and no gates, K and V up to 128), "
-          "the operands' backward in XLA",
+          "forward and reversed; the backward's per-chunk cotangents in a Mosaic GPU kernel "
+          "(per-head and no gates, K and V up to 128), the operands' backward in XLA",
 )
 
 
@@ -242,7 +241,7 @@ def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpre
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
     state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel."""
     del operands_backward
-    b, _, _, kd = q.shape
+    b = q.shape[0]
     vd, hv = problem.value_dim, problem.num_value_heads
     scores, q_in, k_out, w_neg, u0, last = wy_kernel_operands(q, k, v_, beta, gates,
                                                               problem=problem, interpret=interpret)
@@ -283,7 +282,7 @@ def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, inte
         return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
                                          interpret=interpret),
                        q, k, v_, beta, gates, initial_state)
-    b, _, _, kd = q.shape
+    b = q.shape[0]
     vd, hv = problem.value_dim, problem.num_value_heads
     inputs = _kernel_inputs(q, k, v_, beta, gates, problem)
     scores, q_in, k_out, w_neg, u0, last = kernels_mosaic_operands.wy_operands(

@@ -17,7 +17,6 @@ products over S run; dS' takes S's buffers; then the products over dS'. K a mult
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
