@@ -3,7 +3,7 @@ Mosaic GPU kernels and fla's Triton kernels, forward and forward+backward.
 
     python3 bench/gpu_delta_rule.py --out OUT [--shapes 0,4] [--gates peer,kimi,strong]
         [--betas sigmoid,2sigmoid] [--modes fwd,fwd+bwd] [--ours-only] [--no-xla] [--parts]
-        [--tag NAME]
+        [--operands-backward] [--tag NAME]
     python3 bench/gpu_delta_rule.py --out OUT --decode      # one decode step, DECODE_SHAPES
 
 Inputs, as fla's op benchmarks draw them: q, k, v ~ N(0, 1) in bfloat16, q and k l2-normalized
@@ -99,6 +99,22 @@ def inputs(seed, shape, gate, beta_law):
         g = GATES[gate][1](rng, g_shape).astype(np.float32)
     ct = rng.standard_normal((b, t, hv, vd), np.float32)
     return q, k, v, beta, g, ct
+
+
+def ours_operands_backward():
+    """Ours "pallas_gpu" with the WY operands' backward kernel (entry.OPERANDS_BACKWARD, off by
+    default), set while the call is traced."""
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry
+
+    plain = ours("pallas_gpu")
+
+    def fn(q, k, v, beta, g):
+        entry.OPERANDS_BACKWARD = True
+        try:
+            return plain(q, k, v, beta, g)
+        finally:
+            entry.OPERANDS_BACKWARD = False
+    return fn
 
 
 def ours(backend):
@@ -251,7 +267,8 @@ class Bench:
               f"{beta:8s} {result}{'' if error is None else '  ' + error[:150]}", flush=True)
 
 
-def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts=False):
+def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts=False,
+                operands_backward=False):
     variant = shape[0]
     q, k, v, b_, g, ct = inputs(0, shape, gate, beta)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(b_)]
@@ -261,6 +278,8 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
     gate = None if variant == "deltanet" else gate
     rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
     impls = [("ours_pallas_gpu", ours("pallas_gpu"))]
+    if operands_backward:
+        impls.append(("ours_pallas_gpu_operands_bwd", ours_operands_backward()))
     if with_xla:
         impls.append(("ours_xla", ours("xla")))
     if not ours_only:
@@ -398,6 +417,9 @@ def main(argv=None):
     parser.add_argument("--parts", action="store_true",
                         help="also time the parts of ours' forward+backward (XLA operands, "
                              "state passes)")
+    parser.add_argument("--operands-backward", action="store_true",
+                        help="also time ours with the WY operands' backward kernel "
+                             "(entry.OPERANDS_BACKWARD)")
     parser.add_argument("--decode", action="store_true",
                         help="time the decode step at DECODE_SHAPES instead (--shapes indexes them)")
     args = parser.parse_args(argv)
@@ -418,7 +440,8 @@ def main(argv=None):
                         bench_decode(bench, shape, gate, beta)
                         continue
                     bench_shape(bench, shape, gate, beta, args.modes.split(","), args.ours_only,
-                                with_xla=not args.no_xla, parts=args.parts)
+                                with_xla=not args.no_xla, parts=args.parts,
+                                operands_backward=args.operands_backward)
                 except Exception as e:
                     traceback.print_exc()
                     print(f"{shape}: not measured: {_error(e)}", flush=True)
