@@ -22,6 +22,7 @@ from gla_tpu import ops
 B, T, H, D = 8, 40, 8, 64  # T: not a multiple of any block
 TOL = dict(rtol=2e-5, atol=2e-5)
 RELATIVE_RMS = 1e-5
+PALLAS_GPU_RELATIVE_RMS = 2e-2  # bfloat16 inputs and outputs
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 
 
@@ -52,11 +53,11 @@ def _normal(key, shape):
     return jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
-def _assert_trees_close(got, want):
+def _assert_trees_close(got, want, tolerance=RELATIVE_RMS):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert g.shape == w.shape and np.all(np.isfinite(g))
-        assert np.linalg.norm(g - w) <= RELATIVE_RMS * np.linalg.norm(w), (
+        assert np.linalg.norm(g - w) <= tolerance * np.linalg.norm(w), (
             f"relative RMS difference {np.linalg.norm(g - w) / np.linalg.norm(w):.2e}")
 
 
@@ -326,13 +327,14 @@ def test_context_parallel_gla_moves_states_not_tokens():
 
 
 def _check_delta_rule(sharding, backend="xla", gate="key", segments=None, mode="chunk", b=B,
-                      h=H, group=2, initial_state=True, t=T):
+                      h=H, group=2, initial_state=True, t=T, dtype=jnp.float32,
+                      tolerance=RELATIVE_RMS):
     """Sharded against unsharded ops.delta_rule: outputs, final state and every gradient; value
-    heads HV = group * H, beta in (0, 2)."""
+    heads HV = group * H, beta in (0, 2); q, k, v in `dtype`."""
     kd = vd = 64
     hv = group * h
-    q, k = _normal(0, (b, t, h, kd)), _normal(1, (b, t, h, kd))
-    v = _normal(2, (b, t, hv, vd))
+    q, k = _normal(0, (b, t, h, kd)).astype(dtype), _normal(1, (b, t, h, kd)).astype(dtype)
+    v = _normal(2, (b, t, hv, vd)).astype(dtype)
     beta = 2 * jax.nn.sigmoid(_normal(6, (b, t, hv)))
     g = None if gate == "none" else jax.nn.log_sigmoid(
         _normal(3, (b, t, hv, kd) if gate == "key" else (b, t, hv)))
@@ -350,7 +352,7 @@ def _check_delta_rule(sharding, backend="xla", gate="key", segments=None, mode="
     argnums = tuple(i for i, a in enumerate(args) if a is not None)
     want = _value_and_grads(op(None), args, argnums)
     got = _value_and_grads(op(sharding), args, argnums)
-    _assert_trees_close(got, want)
+    _assert_trees_close(got, want, tolerance)
 
 
 @pytest.mark.parametrize("layout", ["2x4-batch-heads", pytest.param("8-heads",
@@ -392,6 +394,29 @@ def test_context_parallel_delta_rule_in_two_runs_where_v_plus_k_is_refused(monke
     shape, names, spec = CP_LAYOUTS["2x4-batch-time"]
     _check_delta_rule(NamedSharding(_mesh(shape, names), spec), gate="head",
                       mode="fused_recurrent", segments=_boundary_segments())
+
+
+# jax 0.11.2's Mosaic GPU interpreter fails under shard_map on several CPU devices once a kernel
+# has a grid of more than one block or a TMA store ("Barrier remains allocated"; the minimal
+# kernel is in docs/scale_out.md, "Tests"), and the failure leaves the interpreter's state broken
+# for every later kernel of the process: mode "chunk" is skipped here, for the GPUs.
+INTERPRETER_UNDER_SHARD_MAP = pytest.mark.skip(
+    reason="the Mosaic GPU interpreter fails under shard_map (jax 0.11.2; docs/scale_out.md)")
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("mode", [pytest.param("chunk", marks=INTERPRETER_UNDER_SHARD_MAP),
+                                  "fused_recurrent"])
+def test_context_parallel_delta_rule_matches_unsharded_pallas_gpu(mode):
+    """The "pallas_gpu" kernels under context parallelism in their interpreters, T over two
+    devices: mode "chunk" (the operands kernel, the state passes, the cotangents kernel) at
+    T = 140, and "fused_recurrent" (the token-by-token Triton kernel) at T = 16, in bfloat16 (the
+    sharded call rounds its outputs at other places than the unsharded one)."""
+    sharding = NamedSharding(_mesh((2,), ("seq",)), P(None, "seq"))
+    t = 140 if mode == "chunk" else 16
+    _check_delta_rule(sharding, "pallas_gpu", gate="head", mode=mode, b=1, h=1, t=t,
+                      segments=jnp.asarray(np.cumsum(np.isin(np.arange(t), [5, 70]))[None]),
+                      dtype=jnp.bfloat16, tolerance=PALLAS_GPU_RELATIVE_RMS)
 
 
 @pytest.mark.full
