@@ -88,27 +88,6 @@ def test_interpreter_operands_backward_kernel_against_float64(monkeypatch, case)
     check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu", interpret=True)
 
 
-def test_operands_backward_kernel_lowers_for_hopper(monkeypatch):
-    """With the operands' backward kernel the gradient runs five Mosaic GPU kernels: the WY
-    operands, the training state pass, the reversed pass, the per-chunk cotangents and the
-    operands' backward."""
-    monkeypatch.setattr(backends, "is_hopper", lambda: True)
-    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", True)
-    s = jax.ShapeDtypeStruct
-    q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)
-    beta, g, s0 = s((2, 1000, 4), F32), s((2, 1000, 4), F32), s((2, 4, 128, 128), F32)
-
-    def loss(q, k, v, beta, g, s0):
-        o, final = ops.delta_rule(q, k, v, beta, g, initial_state=s0, output_final_state=True,
-                                  mode="chunk", backend="pallas_gpu")
-        return jnp.sum(o.astype(F32)) + jnp.sum(final)
-
-    with hopper_target():
-        text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(q, q, v, beta, g, s0)
-                .lower(lowering_platforms=("cuda",)).as_text())
-    assert text.count("custom_call @mosaic_gpu") == 5
-
-
 # Mode fused_recurrent (T <= 16: decoding), the token-by-token kernel: per-head gates with grouped
 # value heads and an initial state at T = 1; per-key Kimi gates with segments at T = 5; DeltaNet at
 # T = 16, K = 32, V = 24 (padded to 64), float16, no final state.
@@ -128,13 +107,17 @@ def test_interpreter_fused_recurrent_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
-@pytest.mark.parametrize("gate,grad_kernels", [("head", 3), ("key", 2)])
-def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, grad_kernels):
+@pytest.mark.parametrize("gate,operands_backward,grad_kernels", [
+    ("head", False, 3), ("key", False, 2), ("head", True, 5)])
+def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, operands_backward, grad_kernels):
     """The forward is two Mosaic GPU kernels (the WY operands, the state pass). The gradient of
     every input runs the training forward's state pass (its operands from XLA) and the reversed
     pass, and with per-head gates a third for the per-chunk cotangents (per-key gates take
-    XLA's: vjp.Passes.cotangents_kernel)."""
+    XLA's: vjp.Passes.cotangents_kernel); with the operands' backward kernel
+    (entry.OPERANDS_BACKWARD) five: the WY operands, both passes, the cotangents and the
+    operands' backward."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
+    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", operands_backward)
     s = jax.ShapeDtypeStruct
     q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)
     beta, s0 = s((2, 1000, 4), F32), s((2, 4, 128, 128), F32)

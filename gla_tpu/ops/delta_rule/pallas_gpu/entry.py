@@ -137,7 +137,7 @@ def _recurrence(q, k, v_, beta, gates, initial_state, problem, interpret):
     tp = 1 << (t - 1).bit_length()
 
     def padded(x, width):  # [B, T, heads, D] -> [B, Tp, heads, width], zeros after
-        return pad_last(jnp.pad(x, [(0, 0), (0, tp - t), (0, 0), (0, 0)]), width)
+        return pad_last(pad_time(x, tp), width)
 
     if gates is None:
         gates_p = jnp.zeros((b, t, hv, kp), jnp.float32)
@@ -150,7 +150,7 @@ def _recurrence(q, k, v_, beta, gates, initial_state, problem, interpret):
     return kernels_recurrent.recurrent_forward(
         padded(q, kp), padded(k, kp), padded(v_.reshape(b, t, hv, vd), vp).astype(problem.dtype),
         padded(gates_p.astype(jnp.float32), kp), s0, scale=problem.scale, interpret=interpret,
-        beta=jnp.pad(beta.reshape(b, t, hv), [(0, 0), (0, tp - t), (0, 0)]), group=problem.group,
+        beta=pad_time(beta.reshape(b, t, hv), tp), group=problem.group,
         tile_elements=RECURRENT_TILE_ELEMENTS, num_warps=RECURRENT_WARPS)
 
 
@@ -241,14 +241,18 @@ def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpre
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
     state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel."""
     del operands_backward
-    b = q.shape[0]
-    vd, hv = problem.value_dim, problem.num_value_heads
+    vd = problem.value_dim
     scores, q_in, k_out, w_neg, u0, last = wy_kernel_operands(q, k, v_, beta, gates,
                                                               problem=problem, interpret=interpret)
     o, final = vjp.state_passes(k_out, u0, last, _padded_state(initial_state, problem), q_in,
                                 scores, w_neg, jnp.dtype(problem.dtype),
-                                vjp.Passes(block_v=value_tile(b, hv, vd)), interpret)
+                                _passes(q.shape[0], problem), interpret)
     return o[..., :vd], final[..., :vd]
+
+
+def _passes(batch, problem):
+    """The state passes of the kernel operands' paths (value tile by `value_tile`)."""
+    return vjp.Passes(block_v=value_tile(batch, problem.num_value_heads, problem.value_dim))
 
 
 def _padded_state(initial_state, problem):
@@ -257,7 +261,8 @@ def _padded_state(initial_state, problem):
         return None
     kd, vd = problem.key_dim, problem.value_dim
     kp, vp = _key_width(kd), _kernel_value_width(vd)
-    return jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    return jnp.pad(initial_state.astype(jnp.float32),
+                   [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
 
 
 def _passes_on_xla_operands(q, k, v_, beta, gates, initial_state, problem, interpret):
@@ -282,12 +287,11 @@ def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, inte
         return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
                                          interpret=interpret),
                        q, k, v_, beta, gates, initial_state)
-    b = q.shape[0]
-    vd, hv = problem.value_dim, problem.num_value_heads
+    vd = problem.value_dim
     inputs = _kernel_inputs(q, k, v_, beta, gates, problem)
     scores, q_in, k_out, w_neg, u0, last = kernels_mosaic_operands.wy_operands(
         *inputs, group=problem.group, scale=problem.scale, interpret=interpret)
-    passes = vjp.Passes(block_v=value_tile(b, hv, vd))
+    passes = _passes(q.shape[0], problem)
     (o, final), passes_residuals = vjp.training_forward(
         k_out, u0, last, _padded_state(initial_state, problem), q_in, scores, w_neg,
         jnp.dtype(problem.dtype), passes, interpret)
@@ -304,9 +308,8 @@ def _operands_and_passes_bwd(problem, interpret, operands_backward, residuals, c
     vp = passes_residuals[6].shape[-1]  # u's width
     do = pad_last(do, vp)
     dfinal = jnp.pad(dfinal, [(0, 0), (0, 0), (0, 0), (0, vp - vd)])
-    b_v = value_tile(b, problem.num_value_heads, vd)
     d_k_out, d_u0, d_last, d_s0, d_q_in, d_scores, d_w_neg = vjp.state_passes_backward(
-        passes_residuals, do, dfinal, dtype, vjp.Passes(block_v=b_v), interpret)
+        passes_residuals, do, dfinal, dtype, _passes(b, problem), interpret)
     dq, dk, dv, dbeta, dg = kernels_mosaic_operands_bwd.wy_operands_backward(
         *inputs, d_scores, d_q_in, d_k_out, d_w_neg, d_u0, group=grp, scale=problem.scale,
         interpret=interpret)

@@ -82,12 +82,19 @@ def split(x):
     return head, (x - head.astype(F32)).astype(BF16)
 
 
+def parts_product(left_parts, right_parts, shape, *, interpret: bool, init=None):
+    """left @ right for two float32 values given as their bfloat16 (head, tail): three bfloat16
+    products, tail x tail dropped (left: registers or T(ref); right: refs)."""
+    (l_hi, l_lo), (r_hi, r_lo) = left_parts, right_parts
+    return matmul([(l_hi, r_hi), (l_hi, r_lo), (l_lo, r_hi)], shape, interpret=interpret,
+                  init=init)
+
+
 def split_product(left, right_smem, *, interpret: bool):
     """left @ right for float32 `left` [C, C] (registers) and `right` [C, C] given as its bfloat16
-    head and tail in right_smem [2, C, C]: three bfloat16 products (tail x tail dropped)."""
-    hi, lo = split(left)
-    return matmul([(hi, right_smem.at[0]), (hi, right_smem.at[1]), (lo, right_smem.at[0])],
-                  (CHUNK, CHUNK), interpret=interpret)
+    head and tail in right_smem [2, C, C]."""
+    return parts_product(split(left), (right_smem.at[0], right_smem.at[1]), (CHUNK, CHUNK),
+                         interpret=interpret)
 
 
 def store_split(x, smem):

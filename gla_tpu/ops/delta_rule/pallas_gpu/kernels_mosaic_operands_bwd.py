@@ -36,6 +36,7 @@ from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_F32
 from gla_tpu.ops.delta_rule.pallas_gpu.kernels_mosaic_operands import (
     head_gate_scores,
     head_gate_sums,
+    parts_product,
     split,
     store_split,
     unit_lower_inverse,
@@ -65,14 +66,6 @@ def takes(key_dim: int, value_dim: int, dtype) -> bool:
     parts are bfloat16, and a product's operands share one dtype)."""
     return (key_dim % SLAB == 0 and value_dim % SLAB == 0 and key_dim <= MAX_KEY_DIM
             and value_dim <= MAX_VALUE_DIM and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
-
-
-def _parts_product(left_parts, right_parts, shape, *, interpret, init=None):
-    """sum of left x right over (head, head), (head, tail), (tail, head): the product of two
-    float32 values given as bfloat16 parts (left: registers or T(ref); right: refs)."""
-    (l_hi, l_lo), (r_hi, r_lo) = left_parts, right_parts
-    return matmul([(l_hi, r_hi), (l_hi, r_lo), (l_lo, r_hi)], shape, interpret=interpret,
-                  init=init)
 
 
 def wy_operands_backward(q, k, v, beta, g, d_scores, d_q_in, d_k_out, d_w_neg, d_u0, *,
@@ -182,7 +175,7 @@ def wy_operands_backward(q, k, v, beta, g, d_scores, d_q_in, d_k_out, d_w_neg, d
         dv = []
         beta_tile = rows(beta_rows, (c, SLAB))
         for span in v_spans:
-            dvb = _parts_product(t_parts_t, (parts_s.at[0].at[:, span], parts_s.at[1].at[:, span]),
+            dvb = parts_product(t_parts_t, (parts_s.at[0].at[:, span], parts_s.at[1].at[:, span]),
                                  (c, SLAB), interpret=interpret)
             dbeta = dbeta + jnp.sum(dvb * load_f32(v_s.at[:, span]), axis=1)
             dv.append(beta_tile * dvb)
@@ -209,7 +202,7 @@ def wy_operands_backward(q, k, v, beta, g, d_scores, d_q_in, d_k_out, d_w_neg, d
                       for i in range(2) for span in k_spans], (c, c), interpret=interpret,
                      init=d_t)
         for s, span in enumerate(k_spans):
-            dkb = _parts_product(t_parts_t, (parts_s.at[0].at[:, span], parts_s.at[1].at[:, span]),
+            dkb = parts_product(t_parts_t, (parts_s.at[0].at[:, span], parts_s.at[1].at[:, span]),
                                  (c, SLAB), interpret=interpret)
             e_b_tile = rows(e_b, (c, SLAB))
             k_e_b = load_f32(k_s.at[:, span]) * e_b_tile
@@ -220,11 +213,11 @@ def wy_operands_backward(q, k, v, beta, g, d_scores, d_q_in, d_k_out, d_w_neg, d
 
         # dA = -strict_lower(T^T dT T^T): dT T^T, then T^T (dT T^T), over parts
         plgpu.commit_smem()  # every warp is past the products reading y_s and t_s's readers
-        y = _parts_product(split(d_t), (T(t_s.at[0]), T(t_s.at[1])), (c, c),
+        y = parts_product(split(d_t), (T(t_s.at[0]), T(t_s.at[1])), (c, c),
                            interpret=interpret)
         store_split(y, y_s)
         plgpu.commit_smem()
-        d_a = -jnp.where(strict, _parts_product(t_parts_t, (y_s.at[0], y_s.at[1]), (c, c),
+        d_a = -jnp.where(strict, parts_product(t_parts_t, (y_s.at[0], y_s.at[1]), (c, c),
                                                 interpret=interpret), 0.0)
         dbeta = dbeta + jnp.sum(d_a * kk_d, axis=1)
         w_pairs = w_pairs + d_a * a
