@@ -11,7 +11,10 @@ inside each op (fla's use_qk_l2norm_in_kernel, jla's and our use_qk_l2norm); bet
 gates (float32) from BETAS and GATES, named in every record. Each peer's forward output is checked
 against ours (relative RMS <= 2e-2) before it is timed; one that fails or refuses is recorded with
 its error. Timing: bench/gpu_side_by_side.py's (JAX: 50 calls per sync, median of 7 repeats after
-warm-up; torch: triton.testing.do_bench). Writes OUT/<tag>.json (after every record) and .md.
+warm-up; torch: triton.testing.do_bench). The first call of each timed program is recorded too
+(first_call_s: tracing and compiling; for fla, triton's compiles and its autotuning), the
+compile time a user waits for at each new shape. Writes OUT/<tag>.json (after every record)
+and .md.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 import json
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -198,12 +202,32 @@ def training_parts(bench, shape, gate, beta, args):
                                             kernel=passes.cotangents_kernel),
          (do, residuals[6], du, hi, lo, dh_hi, dh_lo, last, term)),
     ]
+    if entry.operands_backward_takes(problem):
+        timed.append(("ours_part_operands_backward_kernel", "bwd",
+                      *_operands_backward_kernel(problem, grouped, rng)))
     for impl, mode, fn, xs in timed:
         try:
             rec(impl=impl, mode=mode, timing=time_jax(fn, *xs),
                 note="a part of ours_pallas_gpu's forward+backward")
         except Exception as e:
             rec(impl=impl, mode=mode, error=_error(e))
+
+
+def _operands_backward_kernel(problem, grouped, rng):
+    """(fn, args): the WY operands' backward kernel alone (entry.OPERANDS_BACKWARD) on the
+    padded inputs and random float32 cotangents of the operands."""
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry, kernels_mosaic_operands_bwd
+
+    inputs = entry._kernel_inputs(*grouped, problem)
+    b, tp, hv, vp = inputs[2].shape
+    kp = inputs[0].shape[-1]
+    cts = [jnp.asarray(rng.standard_normal((b, tp, hv, width)), jnp.float32)
+           for width in (entry.CHUNK, kp, kp, kp, vp)]  # scores, q_in, k_out, w_neg, u0
+
+    def fn(*xs):
+        return kernels_mosaic_operands_bwd.wy_operands_backward(
+            *xs, group=problem.group, scale=problem.scale, interpret=False)
+    return fn, (*inputs, *cts)
 
 
 def ours_operands_only(q, k, v, beta, g):
@@ -249,13 +273,16 @@ class Bench:
     def __init__(self, path, env):
         self.path, self.env, self.records = path, env, []
 
-    def record(self, *, impl, shape, mode, gate, beta, timing=None, error=None, note=None):
+    def record(self, *, impl, shape, mode, gate, beta, timing=None, error=None, note=None,
+               first_call_s=None):
         rec = dict(op="delta_rule", variant=shape[0], impl=impl, shape=list(shape[1:]),
                    mode=mode, dtype="bfloat16", gate=gate and GATES[gate][0],
                    beta=BETAS[beta][0], device=self.env["device"], date=self.env["date"],
                    versions=self.env["versions"])
         if timing is not None:
             rec.update(ms_median=timing[0], ms_min=timing[1], ms_max=timing[2])
+        if first_call_s is not None:
+            rec["first_call_s"] = first_call_s
         if error is not None:
             rec["error"] = error
         if note is not None:
@@ -263,6 +290,8 @@ class Bench:
         self.records.append(rec)
         write_json(self.path, self.records)
         result = f"{timing[0]:.3f} ms" if timing else "-"
+        if first_call_s is not None:
+            result += f"  (first call {first_call_s:.1f} s)"
         print(f"{shape[0]:8s} {impl:20s} {str(shape[1:]):34s} {mode:8s} {gate or '':6s} "
               f"{beta:8s} {result}{'' if error is None else '  ' + error[:150]}", flush=True)
 
@@ -290,7 +319,9 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
             fn = functools.partial(lambda q, k, v, beta, fn: fn(q, k, v, beta, None), fn=fn)
         left = list(modes)
         try:
+            start = time.perf_counter()
             out = jax.block_until_ready(jax.jit(fn)(*args))
+            first_call = {"fwd": time.perf_counter() - start}
             reference = out if reference is None else reference
             err = rel_err(out, reference)
             if err > MATCH_TOLERANCE or not np.all(np.isfinite(np.asarray(out, np.float32))):
@@ -299,8 +330,12 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
             while left:
                 mode = left[0]
                 f = fn if mode == "fwd" else fwd_bwd(fn, jct)
+                if mode not in first_call:
+                    start = time.perf_counter()
+                    jax.block_until_ready(jax.jit(f)(*args))
+                    first_call[mode] = time.perf_counter() - start
                 rec(impl=name, mode=mode, timing=time_jax(f, *args),
-                    note=f"rel err vs ours {err:.1e}")
+                    note=f"rel err vs ours {err:.1e}", first_call_s=first_call[mode])
                 left.pop(0)
         except Exception as e:  # a peer that cannot take a shape is reported, not fatal
             rec(impl=name, mode=left[0] if left else "fwd", error=_error(e))
@@ -327,8 +362,10 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
     left = list(modes)
     try:
         fn = fla_function(variant, tq, tk, tv, tb, tg)
+        start = time.perf_counter()
         with torch.no_grad():
             out = fn().float().cpu().numpy()
+        first_call = {"fwd": time.perf_counter() - start}
         err = rel_err(out, reference)
         if err > MATCH_TOLERANCE:
             rec(impl="fla_chunk", mode="fwd", error=f"output differs from ours: rel err {err:.2e}")
@@ -344,7 +381,13 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
                     fn().backward(tct)
             note = f"rel err vs ours {err:.1e}" + ("; q, k repeated to HV heads" if hv != h
                                                     else "")
-            rec(impl="fla_chunk", mode=mode, timing=time_torch(run), note=note)
+            if mode not in first_call:  # triton's compiles and fla's autotuning
+                start = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                first_call[mode] = time.perf_counter() - start
+            rec(impl="fla_chunk", mode=mode, timing=time_torch(run), note=note,
+                first_call_s=first_call[mode])
             left.pop(0)
     except Exception as e:
         rec(impl="fla_chunk", mode=left[0] if left else "fwd", error=_error(e))

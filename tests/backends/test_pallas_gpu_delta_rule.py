@@ -12,10 +12,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from gla_tpu import ops
 from gla_tpu.ops.common import backends
 from gla_tpu.ops.delta_rule.pallas_gpu import entry, vjp
+from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_state
 from gla_tpu.testing import DeltaRuleCase as C
 from gla_tpu.testing.gpu_lowering import hopper_target
 from gla_tpu.testing.parity import check_delta_rule_parity
@@ -136,6 +138,55 @@ def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, operands_backwar
             text = (jax.jit(fn).trace(q, q, v, beta, g, s0)
                     .lower(lowering_platforms=("cuda",)).as_text())
         assert text.count("custom_call @mosaic_gpu") == kernels
+
+
+@pytest.mark.parametrize("key_dim", [64, 128])
+def test_gradient_lowers_at_value_tiles_of_64(monkeypatch, key_dim):
+    """With enough (batch, value head, 64 columns) blocks to fill the SMs the state passes take
+    64-column tiles (entry.value_tile); the reversed pass would then overflow shared memory at
+    K = 128 and takes 32 (vjp.Passes.fitted). Lowering applies Mosaic GPU's shared-memory
+    limit, so this is the check."""
+    monkeypatch.setattr(backends, "is_hopper", lambda: True)
+    s = jax.ShapeDtypeStruct
+    q, v = s((4, 128, 32, key_dim), BF16), s((4, 128, 64, 128), BF16)
+    beta, g = s((4, 128, 64), F32), s((4, 128, 64), F32)
+    assert entry.value_tile(4, 64, 128) == 64
+    passes = vjp.Passes(block_v=64).fitted(key_dim, BF16)
+    assert (passes.block_v, passes.reversed_block_v) == (64, 32 if key_dim == 128 else None)
+
+    def loss(q, k, v, beta, g):
+        o, _ = ops.delta_rule(q, k, v, beta, g, mode="chunk", backend="pallas_gpu")
+        return jnp.sum(o.astype(F32))
+
+    with hopper_target():
+        text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, v, beta, g)
+                .lower(lowering_platforms=("cuda",)).as_text())
+    assert text.count("custom_call @mosaic_gpu") == 3
+
+
+@pytest.mark.parametrize("kind", ["forward", "training", "reversed"])
+@pytest.mark.parametrize("key_dim,block_v", [(64, 32), (128, 32), (128, 64)])
+def test_state_pass_shared_memory_is_mosaic_gpus_count(kind, key_dim, block_v):
+    """kernels_mosaic_state.shared_memory_bytes, which picks the passes' tiles, against the count
+    Mosaic GPU reports when lowering the delta rule's state pass (its error under a limit of 0)."""
+    passes = vjp.Passes(block_v=block_v)
+    p = passes.reversed() if kind == "reversed" else passes.forward(kind == "training")
+    s = jax.ShapeDtypeStruct
+    b, tp, h, n = 1, 128, 2, 2
+    x, w, w_neg = (s((b, tp, h, key_dim), BF16) for _ in range(3))
+    extra = dict(w=w, a=s((b, tp, h, 64), BF16), w_neg=w_neg)
+    if p.state_term:
+        extra["h_parts"] = tuple(s((b, n, h, key_dim, 128), BF16) for _ in range(p.term_parts))
+
+    def state_pass(x, y, decay, extra):
+        return kernels_mosaic_state.state_pass(x, y, decay, None, p=p, interpret=False, **extra)
+
+    with pytest.raises(ValueError, match="exceeds available shared memory") as error:
+        with mosaic_gpu_core.artificial_shared_memory_limit(0):
+            jax.jit(state_pass).trace(x, s((b, tp, h, 128), BF16), s((b, n, h, key_dim), F32),
+                                      extra).lower(lowering_platforms=("cuda",))
+    counted = int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1))
+    assert kernels_mosaic_state.shared_memory_bytes(p, key_dim, BF16) == counted
 
 
 @pytest.mark.parametrize("batch,chunks,heads,key_dim,value_dim", [

@@ -43,6 +43,8 @@ def ring_producer(load, *, steps, stages: int, free) -> None:
 
 
 # shared-memory tiles that wgmma and TMA read: (8, 64) tiles, 128-byte swizzle (16-bit dtypes)
+SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB), the most Mosaic GPU grants
+SMEM_ALIGNMENT = 1024  # Pallas places each shared-memory buffer at a multiple of this
 SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # the same with a 64-byte swizzle, for a wgmma operand whose contraction (rows) is only 32 long:
 # wgmma contracts a swizzled operand in groups of swizzle / 2 elements

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.common.backends import mosaic_gpu_selected
 from gla_tpu.ops.common.masks import window_bounds
+from gla_tpu.ops.common.mosaic_gpu import SHARED_MEMORY_BYTES
 
 CONSUMERS = 2  # consumer warpgroups per block
-SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB)
 # alignment padding Mosaic GPU adds to the buffers below: it reported 232568 bytes for tiles
 # (64, 128, 3) at head dim 128 and 232536 for (64, 192, 2), 2560 over the sum of the buffers
 ALLOCATION_SLACK = 2560

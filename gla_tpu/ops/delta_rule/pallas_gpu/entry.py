@@ -251,8 +251,11 @@ def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpre
 
 
 def _passes(batch, problem):
-    """The state passes of the kernel operands' paths (value tile by `value_tile`)."""
-    return vjp.Passes(block_v=value_tile(batch, problem.num_value_heads, problem.value_dim))
+    """The state passes of one call: the value tile by `value_tile`, halved for a pass that
+    would not fit shared memory; the per-chunk cotangents kernel unless the gates are per key."""
+    passes = vjp.Passes(block_v=value_tile(batch, problem.num_value_heads, problem.value_dim),
+                        cotangents_kernel=problem.gate_kind != "key")
+    return passes.fitted(_key_width(problem.key_dim), jnp.dtype(problem.dtype))
 
 
 def _padded_state(initial_state, problem):
@@ -341,8 +344,8 @@ def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
     n = tp // CHUNK
     ops = xla.chunk_operands(q, k, v_, beta, gates, CHUNK, dtype)
     kp = _key_width(kd)
-    bv = value_tile(b, hv, vd)
-    vp = -(-vd // bv) * bv
+    passes = _passes(b, problem)
+    vp = -(-vd // passes.block_v) * passes.block_v  # every pass's tile divides it
 
     def tokens(x, width):  # [B, H, G|1, N, C, D] -> [B, Tp, HV, width] float32
         x = jnp.broadcast_to(x, (b, h, grp, n, CHUNK, x.shape[-1]))
@@ -359,5 +362,4 @@ def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
     s0 = None
     if initial_state is not None:
         s0 = jnp.pad(initial_state.astype(f32), [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
-    passes = vjp.Passes(block_v=bv, cotangents_kernel=problem.gate_kind != "key")
     return (k_out, u0, last, s0, q_in, scores, w_neg, dtype), passes

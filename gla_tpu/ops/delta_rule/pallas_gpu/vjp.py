@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_cotangents
-from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_state import Pass, state_pass
+from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_state import BLOCK_VS, Pass, fits, state_pass
 
 F32 = jnp.float32
 
@@ -41,6 +41,20 @@ class Passes:
     # at (2, 8192, 32, 32, 128, 128)) while Gated DeltaNet's went 7.91 -> 6.75 ms; the cause (how
     # XLA schedules the per-key operands' autodiff around it) is not established.
     cotangents_kernel: bool = True
+    # the reversed pass's value tile where it differs from block_v (`fitted`)
+    reversed_block_v: int | None = None
+
+    def fitted(self, key_dim: int, dtype) -> Passes:
+        """These passes with a value tile of 32 for each pass whose tile does not fit a Hopper
+        block's shared memory at key width key_dim (the reversed pass at K = 128 takes 244 KiB
+        at a tile of 64, 180 KiB at 32)."""
+        small = min(BLOCK_VS)
+        passes = self
+        if not fits(passes.forward(training=True), key_dim, dtype):
+            passes = dataclasses.replace(passes, block_v=small)
+        if not fits(passes.reversed(), key_dim, dtype):
+            passes = dataclasses.replace(passes, reversed_block_v=small)
+        return passes
 
     def forward(self, training: bool) -> Pass:
         return Pass(reverse=False, outputs=True, store_parts=2 if training else 0,
@@ -49,7 +63,7 @@ class Passes:
 
     def reversed(self) -> Pass:
         return Pass(reverse=True, outputs=True, store_parts=2, state_term=True, delta=True,
-                    block_v=self.block_v, out_parts=1, term_parts=2)
+                    block_v=self.reversed_block_v or self.block_v, out_parts=1, term_parts=2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))

@@ -41,14 +41,18 @@ measured: docs/results/history.md, "key groups summed inside the state passes").
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.common.mosaic_gpu import (
+    SHARED_MEMORY_BYTES,
+    SMEM_ALIGNMENT,
     SWIZZLED,
     SWIZZLED_64,
     SWIZZLED_F32,
@@ -67,6 +71,9 @@ from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
 
 BLOCK_V = 64  # value columns per block by default (the state tile [K, 64] lives in registers)
 BLOCK_VS = (32, 64)  # the value tiles it takes (Pass.block_v)
+# shared memory the lowering adds to the scratch buffers of a pass with a state term (the same
+# 2 KiB at K 64 and 128, tiles 32 and 64; shared_memory_bytes)
+STATE_TERM_LOWERING_BYTES = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,36 +323,7 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, w
 
             ring_producer(load, steps=groups * n, stages=stages, free=(scratch["free"],))
 
-    # 16-bit tiles: [., block_v] ones in rows of 128 bytes take the 128-byte swizzle, of 64 the
-    # 64-byte one; wgmma wants both operands' swizzles equal, so x, w and a follow them
-    tiled = dict(transforms=SWIZZLED if bv * jnp.dtype(dtype).itemsize >= 128 else SWIZZLED_64)
-    scratch_types = {
-        "x": plgpu.SMEM((stages, c, kd), dtype, **tiled),
-        "y": plgpu.SMEM((stages, c, bv), dtype, **tiled),
-        "decay": plgpu.SMEM((stages, kd), F32),
-    }
-    if p.outputs:
-        scratch_types["w"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
-        scratch_types["a"] = plgpu.SMEM((stages, c, c), dtype, **tiled)
-        scratch_types["o"] = plgpu.SMEM((c, bv), dtype, **tiled)
-    if p.delta:
-        scratch_types["w_neg"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
-        scratch_types["u"] = plgpu.SMEM((c, bv), dtype, **tiled)  # u, or du reversed
-    if summed:
-        scratch_types["partial"] = plgpu.SMEM(
-            (c, bv), sum_dtype, **(tiled if p.sums_16bit else dict(transforms=SWIZZLED_F32)))
-        scratch_types["partial_ready"] = plgpu.Barrier()
-    if p.state_term:
-        for name in h_names:
-            scratch_types[name] = plgpu.SMEM((stages, kd, bv), dtype, **tiled)
-        scratch_types["term"] = plgpu.SMEM((kd,), F32)
-    if p.store_parts or p.outputs:
-        scratch_types["st_hi"] = plgpu.SMEM((kd, bv), dtype, **tiled)
-        if p.splits_state:
-            scratch_types["st_lo"] = plgpu.SMEM((kd, bv), dtype, **tiled)
-    loads = 3 + 2 * p.outputs + p.delta + p.term_parts * p.state_term
-    scratch_types["ready"] = plgpu.Barrier(num_arrivals=loads, num_barriers=stages)
-    scratch_types["free"] = plgpu.Barrier(num_barriers=stages)
+    scratch_types = _scratch_types(p, kd, dtype)
     scratch_names = list(scratch_types)
 
     heads = h // groups
@@ -390,3 +368,61 @@ def state_pass(x, y, decay, s0, *, w=None, a=None, h_parts=None, h_first=None, w
     if summed:  # the partial sums are the kernel's scratch
         outs = [outs[0]] + list(outs[2:])
     return outs
+
+
+def _scratch_types(p: Pass, kd: int, dtype) -> dict:
+    """state_pass's shared-memory buffers and barriers, by name, for key width kd."""
+    c, stages, bv = p.chunk, p.stages, p.block_v
+    h_names = ("h_hi", "h_lo")[:p.term_parts]
+    summed = p.outputs and p.groups > 1
+    sum_dtype = dtype if p.sums_16bit else F32
+    # 16-bit tiles: [., block_v] ones in rows of 128 bytes take the 128-byte swizzle, of 64 the
+    # 64-byte one; wgmma wants both operands' swizzles equal, so x, w and a follow them
+    tiled = dict(transforms=SWIZZLED if bv * jnp.dtype(dtype).itemsize >= 128 else SWIZZLED_64)
+    scratch_types = {
+        "x": plgpu.SMEM((stages, c, kd), dtype, **tiled),
+        "y": plgpu.SMEM((stages, c, bv), dtype, **tiled),
+        "decay": plgpu.SMEM((stages, kd), F32),
+    }
+    if p.outputs:
+        scratch_types["w"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
+        scratch_types["a"] = plgpu.SMEM((stages, c, c), dtype, **tiled)
+        scratch_types["o"] = plgpu.SMEM((c, bv), dtype, **tiled)
+    if p.delta:
+        scratch_types["w_neg"] = plgpu.SMEM((stages, c, kd), dtype, **tiled)
+        scratch_types["u"] = plgpu.SMEM((c, bv), dtype, **tiled)  # u, or du reversed
+    if summed:
+        scratch_types["partial"] = plgpu.SMEM(
+            (c, bv), sum_dtype, **(tiled if p.sums_16bit else dict(transforms=SWIZZLED_F32)))
+        scratch_types["partial_ready"] = plgpu.Barrier()
+    if p.state_term:
+        for name in h_names:
+            scratch_types[name] = plgpu.SMEM((stages, kd, bv), dtype, **tiled)
+        scratch_types["term"] = plgpu.SMEM((kd,), F32)
+    if p.store_parts or p.outputs:
+        scratch_types["st_hi"] = plgpu.SMEM((kd, bv), dtype, **tiled)
+        if p.splits_state:
+            scratch_types["st_lo"] = plgpu.SMEM((kd, bv), dtype, **tiled)
+    loads = 3 + 2 * p.outputs + p.delta + p.term_parts * p.state_term
+    scratch_types["ready"] = plgpu.Barrier(num_arrivals=loads, num_barriers=stages)
+    scratch_types["free"] = plgpu.Barrier(num_barriers=stages)
+    return scratch_types
+
+
+def shared_memory_bytes(p: Pass, key_dim: int, dtype) -> int:
+    """One block's shared memory: the scratch buffers as Pallas places them (each aligned to
+    SMEM_ALIGNMENT), 8 bytes per barrier, and what the lowering adds for a state term. Equals
+    Mosaic GPU's own count (tests/backends/test_pallas_gpu_delta_rule.py)."""
+    total = STATE_TERM_LOWERING_BYTES if p.state_term else 0
+    for t in _scratch_types(p, key_dim, dtype).values():
+        if isinstance(t, plgpu.Barrier):
+            total += 8 * math.prod(np.atleast_1d(t.num_barriers))
+        else:
+            size = math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
+            total += -(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+    return total
+
+
+def fits(p: Pass, key_dim: int, dtype) -> bool:
+    """Whether state_pass under `p` fits a Hopper block's shared memory at key width key_dim."""
+    return shared_memory_bytes(p, key_dim, dtype) <= SHARED_MEMORY_BYTES
