@@ -3,7 +3,7 @@ Mosaic GPU kernels and fla's Triton kernels, forward and forward+backward.
 
     python3 bench/gpu_delta_rule.py --out OUT [--shapes 0,4] [--gates peer,kimi,strong]
         [--betas sigmoid,2sigmoid] [--modes fwd,fwd+bwd] [--ours-only] [--no-xla] [--parts]
-        [--operands-backward] [--tag NAME]
+        [--tag NAME]
     python3 bench/gpu_delta_rule.py --out OUT --decode      # one decode step, DECODE_SHAPES
 
 Inputs, as fla's op benchmarks draw them: q, k, v ~ N(0, 1) in bfloat16, q and k l2-normalized
@@ -105,22 +105,6 @@ def inputs(seed, shape, gate, beta_law):
     return q, k, v, beta, g, ct
 
 
-def ours_operands_backward():
-    """Ours "pallas_gpu" with the WY operands' backward kernel (entry.OPERANDS_BACKWARD, off by
-    default), set while the call is traced."""
-    from gla_tpu.ops.delta_rule.pallas_gpu import entry
-
-    plain = ours("pallas_gpu")
-
-    def fn(q, k, v, beta, g):
-        entry.OPERANDS_BACKWARD = True
-        try:
-            return plain(q, k, v, beta, g)
-        finally:
-            entry.OPERANDS_BACKWARD = False
-    return fn
-
-
 def ours(backend):
     from gla_tpu import ops
 
@@ -202,32 +186,12 @@ def training_parts(bench, shape, gate, beta, args):
                                             kernel=passes.cotangents_kernel),
          (do, residuals[6], du, hi, lo, dh_hi, dh_lo, last, term)),
     ]
-    if entry.operands_backward_takes(problem):
-        timed.append(("ours_part_operands_backward_kernel", "bwd",
-                      *_operands_backward_kernel(problem, grouped, rng)))
     for impl, mode, fn, xs in timed:
         try:
             rec(impl=impl, mode=mode, timing=time_jax(fn, *xs),
                 note="a part of ours_pallas_gpu's forward+backward")
         except Exception as e:
             rec(impl=impl, mode=mode, error=_error(e))
-
-
-def _operands_backward_kernel(problem, grouped, rng):
-    """(fn, args): the WY operands' backward kernel alone (entry.OPERANDS_BACKWARD) on the
-    padded inputs and random float32 cotangents of the operands."""
-    from gla_tpu.ops.delta_rule.pallas_gpu import entry, kernels_mosaic_operands_bwd
-
-    inputs = entry._kernel_inputs(*grouped, problem)
-    b, tp, hv, vp = inputs[2].shape
-    kp = inputs[0].shape[-1]
-    cts = [jnp.asarray(rng.standard_normal((b, tp, hv, width)), jnp.float32)
-           for width in (entry.CHUNK, kp, kp, kp, vp)]  # scores, q_in, k_out, w_neg, u0
-
-    def fn(*xs):
-        return kernels_mosaic_operands_bwd.wy_operands_backward(
-            *xs, group=problem.group, scale=problem.scale, interpret=False)
-    return fn, (*inputs, *cts)
 
 
 def ours_operands_only(q, k, v, beta, g):
@@ -296,8 +260,7 @@ class Bench:
               f"{beta:8s} {result}{'' if error is None else '  ' + error[:150]}", flush=True)
 
 
-def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts=False,
-                operands_backward=False):
+def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts=False):
     variant = shape[0]
     q, k, v, b_, g, ct = inputs(0, shape, gate, beta)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(b_)]
@@ -307,8 +270,6 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
     gate = None if variant == "deltanet" else gate
     rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
     impls = [("ours_pallas_gpu", ours("pallas_gpu"))]
-    if operands_backward:
-        impls.append(("ours_pallas_gpu_operands_bwd", ours_operands_backward()))
     if with_xla:
         impls.append(("ours_xla", ours("xla")))
     if not ours_only:
@@ -460,9 +421,6 @@ def main(argv=None):
     parser.add_argument("--parts", action="store_true",
                         help="also time the parts of ours' forward+backward (XLA operands, "
                              "state passes)")
-    parser.add_argument("--operands-backward", action="store_true",
-                        help="also time ours with the WY operands' backward kernel "
-                             "(entry.OPERANDS_BACKWARD)")
     parser.add_argument("--decode", action="store_true",
                         help="time the decode step at DECODE_SHAPES instead (--shapes indexes them)")
     args = parser.parse_args(argv)
@@ -483,8 +441,7 @@ def main(argv=None):
                         bench_decode(bench, shape, gate, beta)
                         continue
                     bench_shape(bench, shape, gate, beta, args.modes.split(","), args.ours_only,
-                                with_xla=not args.no_xla, parts=args.parts,
-                                operands_backward=args.operands_backward)
+                                with_xla=not args.no_xla, parts=args.parts)
                 except Exception as e:
                     traceback.print_exc()
                     print(f"{shape}: not measured: {_error(e)}", flush=True)

@@ -65,28 +65,13 @@ def test_interpreter_forward_against_float64_recurrence(case, dtype):
                             grads=False)
 
 
-# The WY operands' backward kernel (entry.OPERANDS_BACKWARD, off by default until checked on a
-# GPU): per-head gates with grouped value heads, segments and an initial state; --full: DeltaNet
-# at K = V = 128 with segments, strong gates at K = 32, V = 24 (padded), Kimi gates without a
-# final state at V = 128.
-OPERANDS_BACKWARD_CASES = {
-    "head-T130-gva-seg": C(1, 130, 1, 2, 64, 64, gate="head", initial_state=True, segments=True),
-}
-FULL_OPERANDS_BACKWARD_CASES = {
-    "none-T70-K128-V128-seg": C(1, 70, 1, 1, 128, 128, gate="none", segments=True),
-    "head-strong-T100-K32-V24": C(2, 100, 2, 4, 32, 24, gate="head", gate_strength=1 / 16,
-                                  initial_state=True),
-    "head-kimi-T100-V128-no-final": C(1, 100, 1, 2, 64, 128, gate="head", gate_law="kimi",
-                                      initial_state=True, output_final_state=False),
-}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=n) for n, c in OPERANDS_BACKWARD_CASES.items()] + [
-    pytest.param(c, id=n, marks=pytest.mark.full)
-    for n, c in FULL_OPERANDS_BACKWARD_CASES.items()])
-def test_interpreter_operands_backward_kernel_against_float64(monkeypatch, case):
-    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", True)
+def test_interpreter_with_a_narrower_reversed_tile_against_float64(monkeypatch):
+    """State passes whose tiles differ: 64 value columns forward, 32 reversed (what a GPU with
+    few SMs for the blocks picks at K = 128: vjp.Passes.fitted)."""
+    monkeypatch.setattr(backends, "gpu_sm_count", lambda default=132: 1)
+    case = C(1, 70, 1, 1, 128, 64, gate="head", initial_state=True)
+    passes = vjp.Passes(block_v=entry.value_tile(1, 1, 64)).fitted(128, BF16)
+    assert (passes.block_v, passes.reversed_block_v) == (64, 32)
     check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu", interpret=True)
 
 
@@ -109,17 +94,13 @@ def test_interpreter_fused_recurrent_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
-@pytest.mark.parametrize("gate,operands_backward,grad_kernels", [
-    ("head", False, 3), ("key", False, 2), ("head", True, 5)])
-def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, operands_backward, grad_kernels):
+@pytest.mark.parametrize("gate,grad_kernels", [("head", 3), ("key", 2)])
+def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, grad_kernels):
     """The forward is two Mosaic GPU kernels (the WY operands, the state pass). The gradient of
     every input runs the training forward's state pass (its operands from XLA) and the reversed
     pass, and with per-head gates a third for the per-chunk cotangents (per-key gates take
-    XLA's: vjp.Passes.cotangents_kernel); with the operands' backward kernel
-    (entry.OPERANDS_BACKWARD) five: the WY operands, both passes, the cotangents and the
-    operands' backward."""
+    XLA's: vjp.Passes.cotangents_kernel)."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
-    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", operands_backward)
     s = jax.ShapeDtypeStruct
     q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)
     beta, s0 = s((2, 1000, 4), F32), s((2, 4, 128, 128), F32)
@@ -280,21 +261,6 @@ def test_gpu_forward_against_float64_recurrence(case, dtype):
     """The forward alone (its WY operands from the Mosaic GPU kernel)."""
     assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
     check_delta_rule_parity(case, dtype=dtype, mode="chunk", backend="pallas_gpu", grads=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=n) for n, (c, d) in GPU_CASES.items()
-    if c.gate != "key" and d == BF16 and c.value_dim <= 128] + [
-    pytest.param(C(2, 777, 1, 2, 64, 128, gate="head", gate_strength=s, segments=True), id=n)
-    for n, s in (("head-strong-T777-K64-V128", 1 / 16),
-                 ("head-subnormal-T777-K64-V128", 1e-3))])
-def test_gpu_operands_backward_kernel_against_float64(monkeypatch, case):
-    """The WY operands' backward kernel (entry.OPERANDS_BACKWARD) on the GPU cases it takes, and
-    strong gates at V = 128."""
-    assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
-    monkeypatch.setattr(entry, "OPERANDS_BACKWARD", True)
-    check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu")
 
 
 @pytest.mark.gpu

@@ -382,9 +382,8 @@ def test_math_doc_backward_matches_autodiff(gate):
 
 
 def test_math_doc_operands_backward_matches_autodiff():
-    """docs/delta_rule_math.md's "Backward of the operands" (the formulas of the GPU backend's
-    operands backward kernel, dg as three sums over their own terms) against JAX autodiff of one
-    chunk's operands, float64, per-head gates."""
+    """docs/delta_rule_math.md's "Backward of the operands" (dg as three sums over their own
+    terms) against JAX autodiff of one chunk's operands, float64, per-head gates."""
     c, kd, vd, scale = 16, 8, 6, 8**-0.5
     rng = np.random.default_rng(23)
     q, k, v = (rng.standard_normal((c, d)) for d in (kd, kd, vd))

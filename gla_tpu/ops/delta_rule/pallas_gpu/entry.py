@@ -26,21 +26,13 @@ from gla_tpu.ops.common.capabilities import ANY_DIM, DELTA_RULE_FEATURES, Capabi
 from gla_tpu.ops.common.padding import pad_last, pad_time
 from gla_tpu.ops.common.segments import segment_index, token_starts
 from gla_tpu.ops.delta_rule import xla
-from gla_tpu.ops.delta_rule.pallas_gpu import (
-    kernels_mosaic_operands,
-    kernels_mosaic_operands_bwd,
-    vjp,
-)
+from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands, vjp
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 from gla_tpu.ops.gla.pallas_gpu import kernels_recurrent
 from gla_tpu.ops.gla.pallas_gpu.plan import MAX_RECURRENT_T
 
 CHUNK = 64
 MAX_KEY_DIM = 128  # the state tile [K, block_v] float32 in one warpgroup's registers
-# The WY operands' backward in a Mosaic GPU kernel (kernels_mosaic_operands_bwd.py) where it
-# takes the problem; off until it is checked and timed on a GPU (the interpreter on CPU agrees
-# with the float64 references).
-OPERANDS_BACKWARD = False
 RECURRENT_DIMS = kernels_recurrent.DIMS  # K and V as the token-by-token kernel takes them
 # The token-by-token kernel's state tile: [K, 4096 / K] float32 over 8 warps. On an H200 at the
 # decode shapes (B64 HV16 K=V=128; B256 HV32 K=V=64) it was the fastest of 1024-16384 elements
@@ -96,18 +88,16 @@ def delta_rule(q, k, v, beta, g, *, problem, initial_state, segment_ids, block_s
         return _few_tokens(q, k, v, beta, g, initial_state, starts, problem=problem,
                            interpret=bool(interpret))
     return _chunked(q, k, v, beta, g, initial_state, starts, problem=problem,
-                    interpret=bool(interpret),
-                    operands_backward=OPERANDS_BACKWARD and operands_backward_takes(problem))
+                    interpret=bool(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "interpret", "operands_backward"))
-def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret, operands_backward):
+@functools.partial(jax.jit, static_argnames=("problem", "interpret"))
+def _chunked(q, k, v, beta, g, initial_state, starts, *, problem, interpret):
     t, kd, vd = q.shape[1], problem.key_dim, problem.value_dim
     inputs = (*xla.grouped_inputs(q, k, v, beta, g, starts, problem), initial_state)
     with jax.named_scope("delta_rule_pallas_gpu_chunk"):
         if kernel_operands_take(problem):
-            o, final = _operands_and_passes(*inputs, problem, bool(interpret),
-                                            operands_backward)
+            o, final = _operands_and_passes(*inputs, problem, bool(interpret))
         else:
             o, final = _passes_on_xla_operands(*inputs, problem, bool(interpret))
     o = o[:, :t, :, :vd].astype(v.dtype)
@@ -230,17 +220,13 @@ def _kernel_inputs(q, k, v_, beta, gates, problem):
             padded(v_, vp).astype(dtype), beta_p, gates_p.astype(jnp.float32))
 
 
-# The forward alone takes the operands from the Mosaic GPU kernel. Under differentiation, with
-# `operands_backward` (per-head gates and none, bfloat16, V <= 128: `operands_backward_takes`)
-# the training forward takes them from the kernel too and the backward runs
-# kernels_mosaic_operands_bwd.py; otherwise they come from XLA ("xla"'s chunk_operands), whose
-# autodiff carries the state passes' cotangents back to the inputs.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret,
-                         operands_backward):
+# The forward alone takes the operands from the Mosaic GPU kernel. Under differentiation they come
+# from XLA ("xla"'s chunk_operands), whose autodiff carries the state passes' cotangents back to
+# the inputs.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
     state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel."""
-    del operands_backward
     vd = problem.value_dim
     scores, q_in, k_out, w_neg, u0, last = wy_kernel_operands(q, k, v_, beta, gates,
                                                               problem=problem, interpret=interpret)
@@ -276,56 +262,14 @@ def _passes_on_xla_operands(q, k, v_, beta, gates, initial_state, problem, inter
     return o[..., :vd], final[..., :vd]
 
 
-def operands_backward_takes(problem) -> bool:
-    """Whether the WY operands' backward kernel takes the problem."""
-    return (problem.gate_kind != "key" and kernel_operands_take(problem)
-            and kernels_mosaic_operands_bwd.takes(_key_width(problem.key_dim),
-                                                  _kernel_value_width(problem.value_dim),
-                                                  problem.dtype))
+def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, interpret):
+    return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
+                                     interpret=interpret),
+                   q, k, v_, beta, gates, initial_state)
 
 
-def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, interpret,
-                             operands_backward):
-    if not operands_backward:
-        return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
-                                         interpret=interpret),
-                       q, k, v_, beta, gates, initial_state)
-    vd = problem.value_dim
-    inputs = _kernel_inputs(q, k, v_, beta, gates, problem)
-    scores, q_in, k_out, w_neg, u0, last = kernels_mosaic_operands.wy_operands(
-        *inputs, group=problem.group, scale=problem.scale, interpret=interpret)
-    passes = _passes(q.shape[0], problem)
-    (o, final), passes_residuals = vjp.training_forward(
-        k_out, u0, last, _padded_state(initial_state, problem), q_in, scores, w_neg,
-        jnp.dtype(problem.dtype), passes, interpret)
-    return ((o[..., :vd], final[..., :vd]),
-            (inputs, passes_residuals, q.shape, gates is None, initial_state is None))
-
-
-def _operands_and_passes_bwd(problem, interpret, operands_backward, residuals, cotangents):
-    if not operands_backward:
-        return residuals(cotangents)  # XLA's pullback
-    inputs, passes_residuals, (b, t, h, kd), no_gates, no_state = residuals
-    grp, vd, dtype = problem.group, problem.value_dim, jnp.dtype(problem.dtype)
-    do, dfinal = cotangents
-    vp = passes_residuals[6].shape[-1]  # u's width
-    do = pad_last(do, vp)
-    dfinal = jnp.pad(dfinal, [(0, 0), (0, 0), (0, 0), (0, vp - vd)])
-    d_k_out, d_u0, d_last, d_s0, d_q_in, d_scores, d_w_neg = vjp.state_passes_backward(
-        passes_residuals, do, dfinal, dtype, _passes(b, problem), interpret)
-    dq, dk, dv, dbeta, dg = kernels_mosaic_operands_bwd.wy_operands_backward(
-        *inputs, d_scores, d_q_in, d_k_out, d_w_neg, d_u0, group=grp, scale=problem.scale,
-        interpret=interpret)
-    # the cotangent of b_last reaches every gate of its chunk
-    dg = dg + jnp.repeat(jnp.sum(d_last, axis=-1), CHUNK, axis=1)
-
-    def grouped(x, width):  # [B, Tp, HV, D] -> [B, T, H, G, width]
-        return x[:, :t, :, :width].reshape(b, t, h, grp, width)
-
-    return (grouped(dq, kd).sum(axis=3), grouped(dk, kd).sum(axis=3), grouped(dv, vd),
-            dbeta[:, :t].reshape(b, t, h, grp),
-            None if no_gates else dg[:, :t].reshape(b, t, h, grp, 1),
-            None if no_state else d_s0[..., :kd, :vd])
+def _operands_and_passes_bwd(problem, interpret, pullback, cotangents):
+    return pullback(cotangents)  # XLA's
 
 
 _operands_and_passes.defvjp(_operands_and_passes_fwd, _operands_and_passes_bwd)

@@ -76,13 +76,13 @@ MAX_KEY_DIM = 128
 MAX_VALUE_DIM = 256
 
 
-def split(x):
+def _split(x):
     """float32 x -> (head, tail) bfloat16 with head + tail = x within about 2^-16 relative."""
     head = x.astype(BF16)
     return head, (x - head.astype(F32)).astype(BF16)
 
 
-def parts_product(left_parts, right_parts, shape, *, interpret: bool, init=None):
+def _parts_product(left_parts, right_parts, shape, *, interpret: bool, init=None):
     """left @ right for two float32 values given as their bfloat16 (head, tail): three bfloat16
     products, tail x tail dropped (left: registers or T(ref); right: refs)."""
     (l_hi, l_lo), (r_hi, r_lo) = left_parts, right_parts
@@ -90,20 +90,20 @@ def parts_product(left_parts, right_parts, shape, *, interpret: bool, init=None)
                   init=init)
 
 
-def split_product(left, right_smem, *, interpret: bool):
+def _split_product(left, right_smem, *, interpret: bool):
     """left @ right for float32 `left` [C, C] (registers) and `right` [C, C] given as its bfloat16
     head and tail in right_smem [2, C, C]."""
-    return parts_product(split(left), (right_smem.at[0], right_smem.at[1]), (CHUNK, CHUNK),
-                         interpret=interpret)
+    return _parts_product(_split(left), (right_smem.at[0], right_smem.at[1]), (CHUNK, CHUNK),
+                          interpret=interpret)
 
 
-def store_split(x, smem):
-    head, tail = split(x)
+def _store_split(x, smem):
+    head, tail = _split(x)
     smem.at[0][...] = head
     smem.at[1][...] = tail
 
 
-def unit_lower_inverse(a, t_smem, y_smem, *, interpret: bool):
+def _unit_lower_inverse(a, t_smem, y_smem, *, interpret: bool):
     """(I + A)^-1 [C, C] float32 for A [C, C] float32 strictly lower triangular: level 0 by
     I - A_0, then a loop over levels 1.. of T <- T - T (A_L T) (t_smem, y_smem [2, C, C] bfloat16:
     T's and A_L T's head and tail as right operands). Each commit below also tells every warp
@@ -113,12 +113,12 @@ def unit_lower_inverse(a, t_smem, y_smem, *, interpret: bool):
     t = jnp.where(r == x, 1.0, 0.0) - jnp.where(level_pairs(0, c), a, 0.0)
 
     def level_step(level, t):
-        store_split(t, t_smem)
+        _store_split(t, t_smem)
         plgpu.commit_smem()
-        y = split_product(jnp.where(level_pairs(level, c), a, 0.0), t_smem, interpret=interpret)
-        store_split(y, y_smem)
+        y = _split_product(jnp.where(level_pairs(level, c), a, 0.0), t_smem, interpret=interpret)
+        _store_split(y, y_smem)
         plgpu.commit_smem()
-        return t - split_product(t, y_smem, interpret=interpret)
+        return t - _split_product(t, y_smem, interpret=interpret)
 
     return lax.fori_loop(1, pair_levels.num_levels(c), level_step, t)
 
@@ -181,11 +181,11 @@ class _Decays:
             prefix_ready, after_prefix, suffix_ready)
 
 
-def head_gate_scores(q_smem, k_smem, g_vec, gu_smem, *, slabs, interpret):
+def _head_gate_scores(q_smem, k_smem, g_vec, gu_smem, *, slabs, interpret):
     """Per-head gates: (M before scale and mask, A before beta and mask: q k^T and k k^T times
-    exp(E), and exp(E) itself; E_rx = g summed over (x, r], [C, C] float32, the exponents
-    base 2 of g_vec ([C] float32 natural-log gates in shared memory); exp(E) is 1 above the
-    diagonal, where the callers mask). gu_smem [2, C, C] float16: the masked gates and L (the
+    exp(E); E_rx = g summed over (x, r], [C, C] float32, the exponents base 2 of g_vec ([C]
+    float32 natural-log gates in shared memory); exp(E) is 1 above the diagonal, where the
+    callers mask). gu_smem [2, C, C] float16: the masked gates and L (the
     products' operands from shared memory, as GLA's range sums take them; q k^T and k k^T take
     their left operands from registers, as the pair levels do: with q from shared memory and L
     from registers the scores came out wrong on an H200 while the interpreter agreed, which of
@@ -203,10 +203,10 @@ def head_gate_scores(q_smem, k_smem, g_vec, gu_smem, *, slabs, interpret):
     k_regs = [plgpu.load(tile, layout=WGMMA) for tile in k_tiles]
     qk = matmul([(q_regs[s], T(k_tiles[s])) for s in range(slabs)], (c, c), interpret=interpret)
     kk = matmul([(k_regs[s], T(k_tiles[s])) for s in range(slabs)], (c, c), interpret=interpret)
-    return qk * decay, kk * decay, decay
+    return qk * decay, kk * decay
 
 
-def head_gate_sums(g_vec):
+def _head_gate_sums(g_vec):
     """(b [C], b_last - b [C], b_last [SLAB]) base-2 sums of the per-head gates g_vec, ROW
     layout: row sums of the gates masked per row."""
     c = CHUNK
@@ -264,9 +264,9 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret):
         r, x = iota((c, c), 0), iota((c, c), 1)
         if per_head:
             plgpu.barrier_wait(loaded)
-            scores, key_scores, _ = head_gate_scores(q_smem, k_smem, g_vec, gu_smem,
-                                                      slabs=slabs, interpret=interpret)
-            b, after, last = head_gate_sums(g_vec)
+            scores, key_scores = _head_gate_scores(q_smem, k_smem, g_vec, gu_smem,
+                                                   slabs=slabs, interpret=interpret)
+            b, after, last = _head_gate_sums(g_vec)
             scores = jnp.where(x <= r, scores, 0.0)
             key_scores = jnp.where(x < r, key_scores, 0.0)
             e_b, e_after = (rows(jnp.exp2(y), (c, SLAB)) for y in (b, after))
@@ -296,8 +296,8 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret):
             kb_smem, w_smem = buffers.at[0], buffers.at[1]
         m_smem[...] = (scores * scale).astype(dtype)
         beta_rows = plgpu.load(beta_vec, layout=ROW)  # [C]
-        t = unit_lower_inverse(rows(beta_rows, (c, c)) * key_scores, t_smem, y_smem,
-                               interpret=interpret)
+        t = _unit_lower_inverse(rows(beta_rows, (c, c)) * key_scores, t_smem, y_smem,
+                                interpret=interpret)
         plgpu.commit_smem()  # M; every warp is past the inverse's last products
         plgpu.copy_smem_to_gmem(m_smem, m_ref.at[tokens])
         _tail(kd, vd, dtype, t, beta_rows, decays,
