@@ -65,14 +65,20 @@ def test_interpreter_forward_against_float64_recurrence(case, dtype):
                             grads=False)
 
 
-def test_interpreter_with_a_narrower_reversed_tile_against_float64(monkeypatch):
-    """State passes whose tiles differ: 64 value columns forward, 32 reversed (what a GPU with
-    few SMs for the blocks picks at K = 128: vjp.Passes.fitted)."""
+@pytest.mark.parametrize("interpret", [
+    pytest.param(True, id="interpreter"), pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
+def test_narrower_reversed_tile_against_float64(monkeypatch, interpret):
+    """State passes whose tiles differ: 64 value columns forward, 32 reversed (what K = 128 gets
+    where the blocks fill the SMs: vjp.Passes.fitted), here by counting one SM."""
+    if not interpret:
+        assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
     monkeypatch.setattr(backends, "gpu_sm_count", lambda default=132: 1)
-    case = C(1, 70, 1, 1, 128, 64, gate="head", initial_state=True)
-    passes = vjp.Passes(block_v=entry.value_tile(1, 1, 64)).fitted(128, BF16)
+    case = C(1, 70 if interpret else 300, 1, 2, 128, 64 if interpret else 128, gate="head",
+             initial_state=True, segments=not interpret)
+    passes = vjp.Passes(block_v=entry.value_tile(1, 2, case.value_dim)).fitted(128, BF16)
     assert (passes.block_v, passes.reversed_block_v) == (64, 32)
-    check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu", interpret=True)
+    check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu",
+                            interpret=interpret)
 
 
 # Mode fused_recurrent (T <= 16: decoding), the token-by-token kernel: per-head gates with grouped
