@@ -10,11 +10,12 @@
 gpu_check_setup() {
   local name=$1 peers=${2:-}
   out="${OUT:?set OUT (the device tool does)}"
+  mkdir -p "$out"  # OUT=$OUT/a ... for a second run in one call
   work="$(mktemp -d)"
   export PYTHONPATH="$PWD" JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
   if [[ "$peers" == peers ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --target /tmp/site .whl/*.whl || exit 3
+    [[ -d /tmp/site/fla ]] || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --target /tmp/site .whl/*.whl || exit 3  # once per machine
     export PYTHONPATH="/tmp/site:$PWD" TRITON_CACHE_DIR="$PWD/_tc"
   fi
   summary="$work/$name.txt"
