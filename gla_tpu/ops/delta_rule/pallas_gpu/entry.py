@@ -133,10 +133,7 @@ def _recurrence(q, k, v_, beta, gates, initial_state, problem, interpret):
         gates_p = jnp.zeros((b, t, hv, kp), jnp.float32)
     else:  # a per-head gate is every key's
         gates_p = jnp.broadcast_to(gates, (*gates.shape[:-1], kd)).reshape(b, t, hv, kd)
-    s0 = None
-    if initial_state is not None:
-        s0 = jnp.pad(initial_state.astype(jnp.float32),
-                     [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    s0 = _padded_state(initial_state, kp, vp)
     return kernels_recurrent.recurrent_forward(
         padded(q, kp), padded(k, kp), padded(v_.reshape(b, t, hv, vd), vp).astype(problem.dtype),
         padded(gates_p.astype(jnp.float32), kp), s0, scale=problem.scale, interpret=interpret,
@@ -230,9 +227,10 @@ def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpre
     vd = problem.value_dim
     scores, q_in, k_out, w_neg, u0, last = wy_kernel_operands(q, k, v_, beta, gates,
                                                               problem=problem, interpret=interpret)
-    o, final = vjp.state_passes(k_out, u0, last, _padded_state(initial_state, problem), q_in,
-                                scores, w_neg, jnp.dtype(problem.dtype),
-                                _passes(q.shape[0], problem), interpret)
+    s0 = _padded_state(initial_state, _key_width(problem.key_dim), _kernel_value_width(vd))
+    o, final = vjp.state_passes(k_out, u0, last, s0, q_in, scores, w_neg,
+                                jnp.dtype(problem.dtype), _passes(q.shape[0], problem),
+                                interpret)
     return o[..., :vd], final[..., :vd]
 
 
@@ -244,12 +242,11 @@ def _passes(batch, problem):
     return passes.fitted(_key_width(problem.key_dim), jnp.dtype(problem.dtype))
 
 
-def _padded_state(initial_state, problem):
-    """[B, HV, K, V] -> [B, HV, Kp, Vp] float32 (the operand kernels' widths), or None."""
+def _padded_state(initial_state, kp: int, vp: int):
+    """[B, HV, K, V] -> [B, HV, kp, vp] float32 (zeros after), or None."""
     if initial_state is None:
         return None
-    kd, vd = problem.key_dim, problem.value_dim
-    kp, vp = _key_width(kd), _kernel_value_width(vd)
+    kd, vd = initial_state.shape[-2:]
     return jnp.pad(initial_state.astype(jnp.float32),
                    [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
 
@@ -303,7 +300,5 @@ def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
     else:  # [B, H, G, N, Kg] -> [B, N, HV, Kp]
         last = jnp.broadcast_to(ops.last, (b, h, grp, n, kd)).transpose(0, 3, 1, 2, 4)
         last = pad_last(last.reshape(b, n, hv, kd), kp)
-    s0 = None
-    if initial_state is not None:
-        s0 = jnp.pad(initial_state.astype(f32), [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
+    s0 = _padded_state(initial_state, kp, vp)
     return (k_out, u0, last, s0, q_in, scores, w_neg, dtype), passes

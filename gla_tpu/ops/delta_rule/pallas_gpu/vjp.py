@@ -93,22 +93,13 @@ def training_forward(k_out, u0, last, s0, q_in, scores, w_neg, dtype, passes, in
 
 
 def _bwd(dtype, passes, interpret, residuals, cotangents):
+    """The cotangents of `state_passes`' inputs (float32) from the training forward's residuals
+    and the cotangents of o and of the final state."""
     do, dfinal = cotangents
-    do = jnp.zeros(residuals[6].shape, dtype) if isinstance(do, SymbolicZero) else do
-    dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal
-    d_k_out, du, d_last, ds0, d_q_in, d_scores, d_w_neg = state_passes_backward(
-        residuals, do, dfinal, dtype, passes, interpret)
-    return d_k_out, du, d_last, None if residuals[2] is None else ds0, d_q_in, d_scores, d_w_neg
-
-
-def state_passes_backward(residuals, do, dfinal, dtype, passes: Passes, interpret):
-    """The cotangents of `state_passes`' inputs (d k_out, d u0, d last, d s0, d q_in, d scores,
-    d w_neg; float32) from its forward's residuals (`training_forward`) and the cotangents of o
-    [B, Tp, HV, V] and of the final state (float32 or None)."""
-    do = do.astype(dtype)
-    dfinal = None if dfinal is None else dfinal.astype(F32)
-    du, dh_hi, dh_lo, term, ds0 = reversed_pass(residuals, do, dfinal, passes, interpret)
     k_out, last, s0, q_in, scores, w_neg, u, hi, lo = residuals
+    do = jnp.zeros(u.shape, dtype) if isinstance(do, SymbolicZero) else do.astype(dtype)
+    dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal.astype(F32)
+    du, dh_hi, dh_lo, term, ds0 = reversed_pass(residuals, do, dfinal, passes, interpret)
     d_k_out, du, d_last, d_q_in, d_scores, d_w_neg = chunk_cotangents(
         do, u, du, (hi, lo), (dh_hi, dh_lo), last, term, interpret=interpret,
         kernel=passes.cotangents_kernel)
