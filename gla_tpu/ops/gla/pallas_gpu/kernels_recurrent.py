@@ -27,7 +27,7 @@ MAX_UNROLL = 16  # tokens unrolled statically; more run in a fori_loop
 
 
 def block_v(key_dim: int, value_dim: int, tile_elements: int = TILE_ELEMENTS) -> int:
-    """BV: the largest power of two with K * BV <= 8192, at most V (K=64 -> 128, K=128 -> 64,
+    """BV: tile_elements / K, at most V (at the default 8192: K=64 -> 128, K=128 -> 64,
     K=256 -> 32, K=512 -> 16)."""
     return min(value_dim, tile_elements // key_dim)
 
