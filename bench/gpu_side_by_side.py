@@ -29,6 +29,8 @@ Usage (on the GPU machine):
   python bench/gpu_side_by_side.py --part gla --part crossover --out results/
   python bench/gpu_side_by_side.py --part attention --attention-shapes 0,1 --ours-only \\
       --attention-sizes "forward_kernel=mosaic_gpu,mosaic_forward=64x64x3" --out results/
+  python bench/gpu_side_by_side.py --part attention --attention-shapes 0,1 --ours-only \
+      --attention-sizes "forward_kernel=mosaic_gpu,mosaic_forward=64x128x2p" --out results/
   python bench/gpu_side_by_side.py --part breakdown_pair_levels --part gla --ours-only \\
       --gla-shapes 1 --gates fla --gla-sizes "mosaic_group_sums=float32" --out results/
   ncu --metrics gpu__time_duration.sum --print-summary per-kernel \\
@@ -270,11 +272,18 @@ def time_jax_impls(ctx, impls, args, ct, *, op, shape, flops, reference=None, ga
 
 def attention_block_sizes(d, fields):
     """default_block_sizes(d, bfloat16) with BlockSizes fields replaced; mosaic_forward and
-    mosaic_backward given as 'BQxBKVxSTAGES' (ForwardTiles / BackwardTiles)."""
+    mosaic_backward given as 'BQxBKVxSTAGES' (ForwardTiles / BackwardTiles), a trailing 'p' for
+    the persistent forward ('64x128x2p')."""
     from gla_tpu.ops.attention.pallas_gpu import BackwardTiles, ForwardTiles, default_block_sizes
 
-    tiles = {"mosaic_forward": ForwardTiles, "mosaic_backward": BackwardTiles}
-    fields = {name: tiles[name](*map(int, str(value).split("x"))) if name in tiles else value
+    def tiles(name, value):
+        value = str(value)
+        if name == "mosaic_backward":
+            return BackwardTiles(*map(int, value.split("x")))
+        return ForwardTiles(*map(int, value.rstrip("p").split("x")),
+                            persistent=value.endswith("p"))
+
+    fields = {name: tiles(name, value) if name in ("mosaic_forward", "mosaic_backward") else value
               for name, value in fields.items()}
     return dataclasses.replace(default_block_sizes(d, jnp.bfloat16), **fields)
 

@@ -6,11 +6,14 @@
 #   bash scripts/gpu_attention_check.sh tests          # the pallas_gpu attention GPU tests
 #   bash scripts/gpu_attention_check.sh window         # bench part attention_window
 #   bash scripts/gpu_attention_check.sh tests,window   # both (about 8 minutes)
+#   bash scripts/gpu_attention_check.sh persistent     # the persistent forward beside the
+#       per-tile one, cuDNN and jla, forward only, at SHAPES (ATTENTION_SHAPES indices)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-parts="${1:?name the parts: tests, window (comma-separated)}"
+parts="${1:?name the parts: tests, window, persistent (comma-separated)}"
 source scripts/_gpu_check.sh
-gpu_check_setup attention_check
+# jla's attention (a peer of part persistent) comes from the wheels in .whl/
+gpu_check_setup attention_check "$([[ ",$parts," == *",persistent,"* ]] && echo peers)"
 
 if [[ ",$parts," == *",tests,"* ]]; then
   step tests "${TESTS_LIMIT:-330}" python3 -m pytest tests/backends/test_pallas_gpu_attention.py \
@@ -21,6 +24,11 @@ fi
 if [[ ",$parts," == *",window,"* ]]; then
   step window "${WINDOW_LIMIT:-240}" python3 bench/gpu_side_by_side.py --part attention_window \
     --out "$work" --tag attention_window
+fi
+if [[ ",$parts," == *",persistent,"* ]]; then
+  step persistent "${PERSISTENT_LIMIT:-300}" python3 bench/gpu_side_by_side.py --part attention \
+    --attention-shapes "${SHAPES:-9,8,15,1,0}" --modes fwd --out "$work" --tag attention_persistent \
+    --attention-sizes "forward_kernel=mosaic_gpu;forward_kernel=mosaic_gpu,mosaic_forward=64x128x2p"
 fi
 for table in "$work"/*.md; do
   [ -e "$table" ] && { echo "== $(basename "$table")"; sed -n '/^```$/,/^```$/p' "$table"; } \

@@ -16,6 +16,8 @@ from gla_tpu import ops
 from gla_tpu.ops.attention.pallas_gpu import (BackwardTiles, BlockSizes, ForwardTiles,
                                               default_block_sizes)
 from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_forward as mosaic_gpu_forward
+from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_forward_persistent as \
+    mosaic_gpu_forward_persistent
 from gla_tpu.ops.attention.pallas_gpu import plan
 from gla_tpu.ops.attention.pallas_gpu.plan import Geometry
 from gla_tpu.ops.attention.validation import validate_attention
@@ -71,6 +73,70 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
     check_attention_parity(case, jax.random.key(4), dtype=dtype, backend="pallas_gpu",
                            interpret=True, block_sizes=sizes)
+
+
+# The persistent forward: few blocks, so that each walks several tiles and the K/V ring runs on
+# from one tile into the next (odd rounds walk the blocks backwards).
+@pytest.mark.parametrize("case,tiles,dtype", [
+    # causal, GQA, rows that see no key (T > S), 3 blocks over 2 x 2 x 2 tiles of a ragged last round
+    (AttentionCase(2, 200, 130, 2, 1, 64, causal=True),
+     ForwardTiles(64, 64, 2, persistent=True, ctas=3), BF16),
+    # head dim 256: o through q's tile (the next q loads once o's copy has read it); segments
+    (AttentionCase(1, 260, 200, 2, 1, 256, causal=True, segments="pair"),
+     ForwardTiles(64, 64, 2, persistent=True, ctas=2), F16),
+    # a causal window and a soft cap: tiles of unequal key ranges in one block's list
+    pytest.param(AttentionCase(1, 400, 400, 2, 1, 64, causal=True, window=(70, 0), soft_cap=2.0),
+                 ForwardTiles(64, 64, 3, persistent=True, ctas=2), BF16, marks=FULL),
+    pytest.param(AttentionCase(2, 70, 150, 2, 1, 128, causal=False),
+                 ForwardTiles(64, 64, 2, persistent=True, ctas=3), F16, marks=FULL),
+], ids=str)
+def test_persistent_forward_interpret_parity(case, tiles, dtype):
+    sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
+    check_attention_parity(case, jax.random.key(4), dtype=dtype, backend="pallas_gpu",
+                           interpret=True, block_sizes=sizes)
+
+
+def test_persistent_forward_equals_the_per_tile_forward():
+    """Each tile runs the same code: o and lse agree bit for bit."""
+    tiles = ForwardTiles(64, 64, 2)
+    t, s, d = 300, 300, 64
+    keys = jax.random.split(jax.random.key(6), 3)
+    q = pad_time(jax.random.normal(keys[0], (2, t, 2, d), jnp.bfloat16), 128)
+    k, v = (pad_time(jax.random.normal(key, (2, s, 1, d), jnp.bfloat16), 64) for key in keys[1:])
+    geo = Geometry(q_len=t, kv_len=s, padded_q=384, padded_kv=320, group=2, causal=True,
+                   offset=s - t, sm_scale=d**-0.5, has_segments=False)
+    want = mosaic_gpu_forward.forward(q, k, v, geo=geo, tiles=tiles, interpret=True)
+    got = mosaic_gpu_forward_persistent.forward(
+        q, k, v, geo=geo, tiles=dataclasses.replace(tiles, persistent=True, ctas=5),
+        interpret=True)
+    for x, y in zip(want, got):
+        assert jnp.array_equal(x, y)
+
+
+@pytest.mark.parametrize("head_dim,causal,segments,window", [
+    (64, True, False, None), (128, False, True, None), (128, True, False, 300),
+    (256, True, True, None)])
+def test_persistent_forward_lowers_for_hopper(head_dim, causal, segments, window):
+    """Mosaic GPU's lowering for CUDA (layouts, wgmma, the shared-memory budget: o in tiles of its
+    own up to head dim 128, through q's at 256)."""
+    q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
+    ids_q = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+    ids_kv = jax.ShapeDtypeStruct((2, 1100), jnp.int32)
+    sizes = default_block_sizes(head_dim, jnp.bfloat16)
+    sizes = dataclasses.replace(sizes, forward_kernel="mosaic_gpu", mosaic_forward=dataclasses.replace(
+        sizes.mosaic_forward, persistent=True))
+    assert sizes.mosaic_forward.separate_output(head_dim, 2, segments) == (head_dim < 256)
+
+    def fwd(q, k, v, sq, skv):
+        return ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes,
+                                   segment_ids=(sq, skv) if segments else None,
+                                   local_window_size=window)
+
+    with hopper_target():
+        text = jax.jit(fwd).trace(q, kv, kv, ids_q, ids_kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 # The Mosaic GPU backward in GPU interpret mode, end to end (forward, dq, dk/dv under the pass
@@ -179,21 +245,24 @@ def test_mosaic_backward_has_no_races(kernel, d):
     assert not gpu_interpret.get_races().races_found
 
 
-def test_mosaic_forward_has_no_races():
+@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
+def test_mosaic_forward_has_no_races(persistent):
+    """The race detector of the GPU interpreter on the forward; the persistent one on two blocks,
+    each walking two tiles."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    tiles = ForwardTiles(64, 64, 2)
+    tiles = ForwardTiles(64, 64, 2, persistent=persistent, ctas=2)
     t, s, d = 200, 256, 64
     keys = jax.random.split(jax.random.key(5), 3)
     q = jax.random.normal(keys[0], (1, t, 2, d), jnp.bfloat16)
     k, v = (jax.random.normal(key, (1, s, 1, d), jnp.bfloat16) for key in keys[1:])
     geo = Geometry(q_len=t, kv_len=s, padded_q=256, padded_kv=256, group=2, causal=True,
                    offset=s - t, sm_scale=d**-0.5, has_segments=False)
-    o, lse = mosaic_gpu_forward.forward(
-        pad_time(q, 128), k, v, geo=geo, tiles=tiles,
-        interpret=plgpu.InterpretGPUParams(detect_races=True))
+    kernels = mosaic_gpu_forward_persistent if persistent else mosaic_gpu_forward
+    o, lse = kernels.forward(pad_time(q, 128), k, v, geo=geo, tiles=tiles,
+                             interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready((o, lse))
     assert not gpu_interpret.get_races().races_found
 
@@ -400,6 +469,26 @@ def test_gpu_parity(case, dtype):
                                 forward_kernel="mosaic_gpu", backward_kernel=backward)
     check_attention_parity(case, jax.random.key(6), dtype=dtype, backend="pallas_gpu",
                            block_sizes=sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c.segments == "none"][::2], ids=str)
+def test_gpu_persistent_forward_equals_the_per_tile_forward(case):
+    """On the GPU the persistent forward computes each tile as the per-tile one does: equal
+    outputs, bit for bit (every other GPU case without segment ids: head dims 64-256, GQA,
+    ragged lengths, windows, soft caps)."""
+    keys = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(keys[0], (case.batch, case.q_len, case.num_heads, case.head_dim), BF16)
+    k, v = (jax.random.normal(key, (case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
+                              BF16) for key in keys[1:])
+    outs = []
+    for persistent in (False, True):
+        sizes = default_block_sizes(case.head_dim, BF16)
+        sizes = dataclasses.replace(sizes, forward_kernel="mosaic_gpu", mosaic_forward=(
+            dataclasses.replace(sizes.mosaic_forward, persistent=persistent)))
+        outs.append(jax.jit(lambda q, k, v, sizes=sizes: ops.flash_attention(
+            q, k, v, **case.options(), backend="pallas_gpu", block_sizes=sizes))(q, k, v))
+    assert jnp.array_equal(*outs)
 
 
 @pytest.mark.gpu

@@ -42,6 +42,35 @@ def ring_producer(load, *, steps, stages: int, free) -> None:
     lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
 
 
+def ring_continue(load, *, start, steps, stages: int, free) -> None:
+    """A producer's steps [start, start + steps) of a ring that runs on from one work item to the
+    next (a persistent kernel): global step g goes to slot g mod stages once the consumers have
+    released that slot's previous step (g >= stages). load(i, slot) issues the item's local step
+    i. start and steps may be traced int32; `ring_drain` ends the ring."""
+    def step(i, _):
+        g = start + i
+        slot = lax.rem(g, jnp.int32(stages))
+
+        @pl.when(g >= stages)
+        def _():
+            for barrier in free:
+                plgpu.barrier_wait(barrier.at[slot])
+
+        load(i, slot)
+
+    lax.fori_loop(0, steps, step, None)
+
+
+def ring_drain(total, *, stages: int, free) -> None:
+    """Waits for the releases of a ring's last min(total, stages) steps (total: every step it
+    loaded), so that every thread sees every phase of its barriers."""
+    def drain(g, _):
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[lax.rem(g, jnp.int32(stages))])
+
+    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
 # shared-memory tiles that wgmma and TMA read: (8, 64) tiles, 128-byte swizzle (16-bit dtypes)
 SHARED_MEMORY_BYTES = 232448  # per block on Hopper (227 KiB), the most Mosaic GPU grants
 SMEM_ALIGNMENT = 1024  # Pallas places each shared-memory buffer at a multiple of this

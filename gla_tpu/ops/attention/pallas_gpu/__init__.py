@@ -5,6 +5,8 @@
     vjp.py                     jax.custom_vjp wiring of the kernels
     kernels_triton.py          forward, dq and dk/dv kernels (Triton lowering)
     kernels_mosaic_forward.py  the Hopper forward (Mosaic GPU: wgmma, TMA, warp specialization)
+    kernels_mosaic_forward_persistent.py
+                               the same forward as one block per SM over a list of tiles
     kernels_mosaic_backward.py the Hopper dq and dk/dv kernels (Mosaic GPU)
     plan.py                    BlockSizes, ForwardTiles, BackwardTiles, the shared geometry,
                                which kernels run, shared-memory check

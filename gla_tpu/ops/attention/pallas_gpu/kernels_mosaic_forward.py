@@ -32,11 +32,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, visibility_mask, walk
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
 from gla_tpu.ops.attention.scores import base2_scores
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, release_step, ring_producer
+from gla_tpu.ops.common.mosaic_gpu import (SWIZZLED, interpret_params, release_step,
+                                           ring_producer)
 
 
 
-def _take_turn(turn):
+def take_turn(turn):
     """Rendezvous of the two consumers on the tensor-core turn barrier."""
     plgpu.barrier_arrive(turn)
     plgpu.barrier_wait(turn)
@@ -53,28 +54,50 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks
     with segment ids."""
     (q_ref, o_ref, lse_ref, qo_smem, lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
      k_free, v_free, turn, batch, head, tile_base, wg) = refs
-    bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
-    dtype = q_ref.dtype
-    check_len = geo.kv_len != geo.padded_kv
+    bq = tiles.block_q
     q_base = tile_base + wg * bq
-    tile_first, tile_end = tile_blocks
-
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_ready)
-    if seg_refs is not None:
-        q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready = seg_refs
-        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_base, bq)], q_seg_smem, q_seg_ready)
-        plgpu.barrier_wait(q_seg_ready)
+    q_seg_rows = query_ids(seg_refs, batch, q_base, bq)
     plgpu.barrier_wait(q_ready)
+    ring = (k_smem, v_smem, k_ready, v_ready, k_free, v_free, turn)
+    acc, m, l = walk_tile(qo_smem, ring, seg_refs, q_seg_rows, q_base=q_base, wg=wg,
+                      tile_blocks=tile_blocks, ring_base=0, geo=geo, tiles=tiles,
+                      dtype=q_ref.dtype, in_place=in_place)
+    epilogue(acc, m, l, qo_smem, lse_smem, o_ref, lse_ref, batch, head, q_base, geo=geo)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def query_ids(seg_refs, batch, q_base, bq):
+    """The consumer's rows' segment ids in registers (None without segment ids)."""
+    if seg_refs is None:
+        return None
+    q_seg_ref, q_seg_smem, q_seg_ready, _, _ = seg_refs
+    plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_base, bq)], q_seg_smem, q_seg_ready)
+    plgpu.barrier_wait(q_seg_ready)
+    return plgpu.load(q_seg_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def walk_tile(q_smem, ring, seg_refs, q_seg_rows, *, q_base, wg, tile_blocks, ring_base, geo,
+          tiles: ForwardTiles, dtype, in_place: bool):
+    """One consumer's online softmax over the key blocks of its tile: (acc [bq, D], m, l [bq])
+    float32. Key block b of the tile sits in ring slot (ring_base + b - first) mod stages."""
+    k_smem, v_smem, k_ready, v_ready, k_free, v_free, turn = ring
+    bq, bkv, d = tiles.block_q, tiles.block_kv, q_smem.shape[-1]
+    check_len = geo.kv_len != geo.padded_kv
+    tile_first, tile_end = tile_blocks
+    k_seg_smem = k_seg_ready = None
+    if seg_refs is not None:
+        _, _, _, k_seg_smem, k_seg_ready = seg_refs
 
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
-    if seg_refs is not None:  # the rows' ids, broadcast over the keys where a step masks
-        q_seg_rows = plgpu.load(q_seg_smem, layout=wgmma_rows)
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
     l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
     acc = plgpu.layout_cast(jnp.full((bq, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
     def slot_of(step):
-        return lax.rem(step - tile_first, jnp.int32(tiles.stages))
+        offset = step - tile_first if isinstance(ring_base, int) and ring_base == 0 else (
+            step - tile_first + ring_base)
+        return lax.rem(offset, jnp.int32(tiles.stages))
 
     def step_fn(masked: bool, step, carry):
         acc, m, l = carry
@@ -82,8 +105,8 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks
         plgpu.barrier_wait(k_ready.at[slot])
 
         def scores(s_ref):  # s = q k^T, [bq, bkv] float32
-            plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-            _take_turn(turn)
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            take_turn(turn)
             return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
@@ -124,6 +147,9 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks
             acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
         else:  # GPU interpret mode runs neither ACC.init nor wgmma from registers
             acc = acc + jnp.dot(p16, v_smem[slot], preferred_element_type=jnp.float32)
+            # that read of V went through the generic proxy (wgmma's, on the GPU, through the
+            # async one): fence it before the TMA may refill the slot
+            plgpu.commit_smem()
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -133,49 +159,93 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks
         It still waits for the loads, so that each consumer sees every phase of every barrier."""
         release_step(slot_of(step), (k_ready, v_ready) + ((k_seg_ready,) if seg_refs else ()),
                      (k_free, v_free))
-        _take_turn(turn)
-        _take_turn(turn)
+        take_turn(turn)
+        take_turn(turn)
         return carry
 
-    pl.when(wg == 1)(lambda: _take_turn(turn))  # consumer 1 starts one turn behind consumer 0
+    pl.when(wg == 1)(lambda: take_turn(turn))  # consumer 1 starts one turn behind consumer 0
     bounds = kv_blocks(geo, q_base, bq, bkv)
     lax.fori_loop(tile_first, bounds[0], release_only, None)  # blocks only the other consumer needs
     carry = (acc, m, l)
     for masked, start, end in walk(geo, bounds, rows_walk_keys=True):
         carry = lax.fori_loop(start, end, lambda i, c, masked=masked: step_fn(masked, i, c), carry)
-    acc, m, l = carry
     lax.fori_loop(bounds[3], tile_end, release_only, None)
-    pl.when(wg == 0)(lambda: _take_turn(turn))
+    pl.when(wg == 0)(lambda: take_turn(turn))
+    return carry
 
+
+def epilogue(acc, m, l, o_smem, lse_smem, o_ref, lse_ref, batch, head, q_base, *, geo):
+    """o = acc / l and the base-2 lse of the consumer's rows, staged in o_smem and lse_smem and
+    copied out by TMA (the caller waits for the copies)."""
+    bq = o_smem.shape[0]
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     o = acc * _row_broadcast(1.0 / l_safe, acc.shape)
-    qo_smem[...] = o.astype(dtype)
+    o_smem[...] = o.astype(o_smem.dtype)
     lse_smem[...] = jnp.where(seen, m + jnp.log2(l_safe), geo.empty_row_lse)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[batch, pl.ds(q_base, bq), head])
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(q_base, bq), head])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
-    plgpu.wait_smem_to_gmem(0)
+
+
+def kv_block_loader(kv_refs, seg_refs, *, geo: Geometry, block_kv: int, batch, head, first):
+    """load(step, slot): the TMA copies of key block first + step of the head's kv head (and its
+    segment ids) into ring slot `slot`. kv_refs: (k_ref, v_ref, k_smem, v_smem, k_ready,
+    v_ready); seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready)."""
+    k_ref, v_ref, k_smem, v_smem, k_ready, v_ready = kv_refs
+    kv_head = lax.div(head, jnp.int32(geo.group))
+
+    def load(step, slot):
+        step = first + step  # the key block
+        rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+        if seg_refs is not None:
+            k_seg_ref, k_seg_smem, k_seg_ready = seg_refs
+            plgpu.copy_gmem_to_smem(k_seg_ref.at[batch, pl.ds(step * block_kv, block_kv)],
+                                    k_seg_smem.at[slot], k_seg_ready.at[slot])
+
+    return load
 
 
 def _producer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks):
     """seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready) with segment ids."""
     (k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, batch, head) = refs
-    bkv = tiles.block_kv
-    kv_head = lax.div(head, jnp.int32(geo.group))
     tile_first, tile_end = tile_blocks
-
-    def load(step, slot):
-        step = tile_first + step  # the key block
-        rows = (batch, pl.ds(step * bkv, bkv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
-        if seg_refs is not None:
-            k_seg_ref, k_seg_smem, k_seg_ready = seg_refs
-            plgpu.copy_gmem_to_smem(k_seg_ref.at[batch, pl.ds(step * bkv, bkv)],
-                                    k_seg_smem.at[slot], k_seg_ready.at[slot])
-
+    load = kv_block_loader((k_ref, v_ref, k_smem, v_smem, k_ready, v_ready), seg_refs, geo=geo,
+                           block_kv=tiles.block_kv, batch=batch, head=head, first=tile_first)
     ring_producer(load, steps=tile_end - tile_first, stages=tiles.stages, free=(k_free, v_free))
+
+
+def scratch_types(dtype, head_dim: int, tiles: ForwardTiles, segments: bool,
+                  output_tiles: bool = False) -> list:
+    """The forward's shared memory and barriers, in the order its body unpacks them: q (and o,
+    unless output_tiles), lse, the K/V ring, q_ready, k_ready, v_ready, k_free, v_free, turn;
+    with output_tiles o's own tiles; with segment ids the consumers' and the key blocks' ids and
+    their barriers."""
+    bq, bkv, stages, d = tiles.block_q, tiles.block_kv, tiles.stages, head_dim
+    scratch = [
+        plgpu.SMEM((CONSUMERS, bq, d), dtype, transforms=SWIZZLED),  # q (and o)
+        plgpu.SMEM((CONSUMERS, bq), jnp.float32),  # lse
+        plgpu.SMEM((stages, bkv, d), dtype, transforms=SWIZZLED),  # K
+        plgpu.SMEM((stages, bkv, d), dtype, transforms=SWIZZLED),  # V
+        plgpu.Barrier(num_barriers=CONSUMERS),  # q_ready
+        plgpu.Barrier(num_barriers=stages),  # k_ready
+        plgpu.Barrier(num_barriers=stages),  # v_ready
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # k_free
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
+        plgpu.Barrier(num_arrivals=CONSUMERS),  # turn
+    ]
+    if output_tiles:
+        scratch.append(plgpu.SMEM((CONSUMERS, bq, d), dtype, transforms=SWIZZLED))  # o
+    if segments:
+        scratch += [
+            plgpu.SMEM((CONSUMERS, bq), jnp.int32),  # the consumers' query ids
+            plgpu.SMEM((stages, bkv), jnp.int32),  # the key blocks' ids, beside K and V
+            plgpu.Barrier(num_barriers=CONSUMERS),  # q_seg_ready
+            plgpu.Barrier(num_barriers=stages),  # k_seg_ready
+        ]
+    return scratch
 
 
 def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTiles,
@@ -229,25 +299,7 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
             seg_refs = (k_seg_ref, k_seg_smem, k_seg_ready) if segments else None
             _producer(refs, seg_refs, geo=geo, tiles=tiles, tile_blocks=tile_blocks)
 
-    scratch = [
-        plgpu.SMEM((CONSUMERS, bq, d), q.dtype, transforms=SWIZZLED),  # q, then o
-        plgpu.SMEM((CONSUMERS, bq), jnp.float32),  # lse
-        plgpu.SMEM((tiles.stages, bkv, d), k.dtype, transforms=SWIZZLED),
-        plgpu.SMEM((tiles.stages, bkv, d), v.dtype, transforms=SWIZZLED),
-        plgpu.Barrier(num_barriers=CONSUMERS),  # q_ready
-        plgpu.Barrier(num_barriers=tiles.stages),  # k_ready
-        plgpu.Barrier(num_barriers=tiles.stages),  # v_ready
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=tiles.stages),  # k_free
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=tiles.stages),  # v_free
-        plgpu.Barrier(num_arrivals=CONSUMERS),  # turn
-    ]
-    if segments:
-        scratch += [
-            plgpu.SMEM((CONSUMERS, bq), jnp.int32),  # the consumers' query ids
-            plgpu.SMEM((tiles.stages, bkv), jnp.int32),  # the key blocks' ids, beside K and V
-            plgpu.Barrier(num_barriers=CONSUMERS),  # q_seg_ready
-            plgpu.Barrier(num_barriers=tiles.stages),  # k_seg_ready
-        ]
+    scratch = scratch_types(q.dtype, d, tiles, segments)
     kernel = plgpu.kernel(
         body,
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -258,7 +310,7 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret_params(interpret),
     )
     with jax.named_scope(f"flash_fwd_mosaic_block_q={bq}_block_kv={bkv}"):
         o, lse = kernel(q, k, v, *((q_seg, kv_seg) if segments else ()))

@@ -42,6 +42,10 @@ class ForwardTiles:
     block_q: int = 64  # query rows per consumer warpgroup: a block covers 2 * block_q rows
     block_kv: int = 128  # keys per pipeline step
     stages: int = 2  # K/V shared-memory slots in flight
+    # one block per SM walking several query tiles, the K/V ring running on from one tile to the
+    # next (kernels_mosaic_forward_persistent.py); ctas: how many blocks (None: the GPU's SMs)
+    persistent: bool = False
+    ctas: int | None = None
 
     def __post_init__(self):
         if self.block_q not in (64, 128):  # wgmma rows per warpgroup: multiples of 64
@@ -51,16 +55,28 @@ class ForwardTiles:
                 f"ForwardTiles.block_kv={self.block_kv!r} must be one of 64, 128, 192, 256.")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"ForwardTiles.stages={self.stages!r} must be one of 2, 3, 4.")
+        if self.ctas is not None and (not isinstance(self.ctas, int) or self.ctas < 1):
+            raise ValueError(f"ForwardTiles.ctas={self.ctas!r} must be None or a positive int.")
 
     @property
     def query_multiple(self) -> int:
         return CONSUMERS * self.block_q
 
+    def separate_output(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> bool:
+        """Whether a persistent block stages o in tiles of its own, so that the next tile's q
+        loads while this one's o is written: where they fit (not at head dim 256)."""
+        return self.persistent and (self._bytes(head_dim, itemsize, segments, output_tiles=True)
+                                    <= SHARED_MEMORY_BYTES)
+
     def shared_memory_bytes(self, head_dim: int, itemsize: int = 2,
                             segments: bool = False) -> int:
         """Shared memory of one block: q/o tiles, lse rows, the K/V ring and the barriers (and
         with segment ids the rows' ids and the key blocks' ids)."""
-        q_o = CONSUMERS * self.block_q * head_dim * itemsize
+        return self._bytes(head_dim, itemsize, segments,
+                           output_tiles=self.separate_output(head_dim, itemsize, segments))
+
+    def _bytes(self, head_dim: int, itemsize: int, segments: bool, output_tiles: bool) -> int:
+        q_o = (1 + output_tiles) * CONSUMERS * self.block_q * head_dim * itemsize
         lse = CONSUMERS * self.block_q * 4
         kv_ring = 2 * self.stages * self.block_kv * head_dim * itemsize
         barriers = 8 * (CONSUMERS + 4 * self.stages + 1)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gla_tpu.ops.attention.pallas_gpu import kernels_mosaic_backward, kernels_mosaic_forward
+from gla_tpu.ops.attention.pallas_gpu import (kernels_mosaic_backward, kernels_mosaic_forward,
+                                              kernels_mosaic_forward_persistent)
 from gla_tpu.ops.attention.pallas_gpu import kernels_triton as kernels
 
 
@@ -29,8 +30,8 @@ def forward(q, k, v, q_seg, kv_seg, geo, sizes, tiles, interpret):
     """(o [B, Tp, H, D] in q's dtype, base-2 lse [B, H, Tp] float32); `tiles`: the Mosaic GPU
     forward's, or None for the Triton one."""
     if tiles is not None:
-        return kernels_mosaic_forward.forward(q, k, v, q_seg, kv_seg, geo=geo, tiles=tiles,
-                                              interpret=interpret)
+        mosaic = kernels_mosaic_forward_persistent if tiles.persistent else kernels_mosaic_forward
+        return mosaic.forward(q, k, v, q_seg, kv_seg, geo=geo, tiles=tiles, interpret=interpret)
     return kernels.forward(q, k, v, q_seg, kv_seg, geo=geo, block_q=sizes.block_q,
                            block_kv=sizes.block_kv, num_warps=sizes.num_warps,
                            num_stages=sizes.num_stages, interpret=interpret)

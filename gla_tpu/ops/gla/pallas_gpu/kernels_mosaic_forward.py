@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gla_tpu.ops.common.mosaic_gpu import ring_producer
+from gla_tpu.ops.common.mosaic_gpu import interpret_params, ring_producer
 
 
 def _swizzled(dtype):
@@ -255,7 +255,7 @@ def forward(q, k, v, b, s0, *, scale: float, chunk: int, block_v: int, interpret
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret_params(interpret),
     )
     operands = ((q,) if outputs else ()) + (k, v, b) + ((s0,) if has_s0 else ())
     name = "gla_fwd_mosaic_per_head" if outputs else "gla_fwd_mosaic_per_head_states"
