@@ -291,6 +291,13 @@ def test_block_sizes_validate():
         BlockSizes(block_q=48)
 
 
+@pytest.mark.parametrize("kwargs,match", [(dict(persistent=1), "persistent=1"),
+                                          (dict(ctas=0), "ctas=0"), (dict(ctas=True), "ctas=True")])
+def test_forward_tiles_validate(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ForwardTiles(**kwargs)
+
+
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
 def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
     q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)

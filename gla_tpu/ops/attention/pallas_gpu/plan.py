@@ -55,7 +55,10 @@ class ForwardTiles:
                 f"ForwardTiles.block_kv={self.block_kv!r} must be one of 64, 128, 192, 256.")
         if self.stages not in (2, 3, 4):
             raise ValueError(f"ForwardTiles.stages={self.stages!r} must be one of 2, 3, 4.")
-        if self.ctas is not None and (not isinstance(self.ctas, int) or self.ctas < 1):
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"ForwardTiles.persistent={self.persistent!r} must be a bool.")
+        if self.ctas is not None and (isinstance(self.ctas, bool) or not isinstance(self.ctas, int)
+                                      or self.ctas < 1):
             raise ValueError(f"ForwardTiles.ctas={self.ctas!r} must be None or a positive int.")
 
     @property
