@@ -5,22 +5,28 @@ Parts:
   batch  a training-size forward+backward (flash attention, GLA) with the batch split over every
          device: the op with `sharding=`, plain `jax.jit` on sharded inputs without it (what a
          user gets otherwise: an all-gather, or a refusal on TPU), and one device alone.
-  cp     GLA forward+backward with T split over every device: weak scaling (T per device fixed)
-         and strong scaling (T fixed), against one device; time and peak memory per device.
+  cp     GLA (and with --cp-ops the Gated DeltaNet) forward+backward with T split over every
+         device: weak scaling (T per device fixed) and strong scaling (T fixed), against one
+         device; time and peak memory per device.
   ring   causal flash attention forward+backward with T split over every device (ring attention,
          zigzag-balanced): for each T per device n, one device at n and at P n, and the ring at
          P n. Strong scaling: one device at P n over P x ring; weak: P x (one device at n) over
          the ring (causal work per device grows P-fold with T = P n).
   lm     a language model's (GLA by default) training step (loss, gradients, AdamW update) through
          `lm.apply(..., sharding=)` on a (data, seq) mesh of every device (data 2 from 4 devices
-         on), against the same step on one device; random tokens.
+         on), against the same step on one device; random tokens. The kind may be a layer
+         pattern joined by '+': gated_deltanet+gated_deltanet+gated_deltanet+softmax is a 3:1
+         Gated DeltaNet / softmax hybrid.
 Inputs: q, k, v ~ N(0, 1) in bfloat16, GLA gates logsigmoid(N(0, 1)) per key (fla's op benchmark
-draw), named in every record. Timing: bench/harness.py's time_jitted (warmup, one
+draw); for the Gated DeltaNet, per-head gates logsigmoid(N(0, 1)), beta = sigmoid(N(0, 1)) and
+q, k l2-normalized inside the op (fla's and jla's draw); named in every record. Timing: bench/harness.py's time_jitted (warmup, one
 block_until_ready per batch of iterations, median of repeats). Each measured program prints one
 line as it ends, counted "[n/N]" over the run.
 
 Usage (on the machine with the devices):
   python bench/scale_out.py --part batch --part cp --out OUT
+  python bench/scale_out.py --part cp --cp-ops gla,gated_deltanet --cp-lengths 16384,65536 \
+      --part lm --lm 4096,1024,4,gated_deltanet+gated_deltanet+gated_deltanet+softmax --out OUT
 """
 
 from __future__ import annotations
@@ -43,9 +49,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from bench.harness import Progress, environment, format_table, peak_memory_bytes  # noqa: E402
 from bench.harness import time_jitted, write_json  # noqa: E402
 from gla_tpu import ops  # noqa: E402
-from gla_tpu.ops.common.flops import attention_flops, gla_flops  # noqa: E402
+from gla_tpu.ops.common.flops import attention_flops, delta_rule_flops, gla_flops  # noqa: E402
 
 GATE = "logsigmoid(N(0,1))"
+DELTA_RULE_INPUTS = ("g per head logsigmoid(N(0,1)), beta sigmoid(N(0,1)), q and k "
+                     "l2-normalized in the op")
+CP_OPS = ("gla", "gated_deltanet")
 _DEVICES = None  # the devices used (--devices)
 BATCH_IMPLS = ("sharding= (shard_map)", "plain jit on sharded inputs", "one device")
 LM_IMPLS = ("lm.apply(sharding=P('data', 'seq'))", "one device")
@@ -85,6 +94,33 @@ def _gla_loss(sharding, backend):
         o, _ = ops.gla(q, k, v, g, backend=backend, sharding=sharding)
         return jnp.sum(o.astype(jnp.float32) * ct)
     return loss
+
+
+def _gated_deltanet_loss(sharding, backend):
+    def loss(q, k, v, beta, g, ct):
+        o, _ = ops.delta_rule(q, k, v, beta, g, use_qk_l2norm=True, backend=backend,
+                              sharding=sharding)
+        return jnp.sum(o.astype(jnp.float32) * ct)
+    return loss
+
+
+def _logsigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def _cp_case(op, b, t, h, kd):
+    """(loss maker, arrays, dtypes, argnums, flops, record fields) of one context-parallel op."""
+    bf, f32 = jnp.bfloat16, jnp.float32
+    q, k, v, ct = _inputs([(b, t, h, kd)] * 4)
+    if op == "gla":
+        g = _logsigmoid(_inputs([(b, t, h, kd)], seed=1)[0])  # per key
+        return (_gla_loss, [q, k, v, g, ct], [bf, bf, bf, f32, f32], (0, 1, 2, 3),
+                gla_flops(b, t, h, kd, kd, backward=True), dict(gate=GATE))
+    x_beta, x_g = _inputs([(b, t, h)] * 2, seed=1)
+    beta = 1.0 / (1.0 + np.exp(-x_beta))
+    return (_gated_deltanet_loss, [q, k, v, beta, _logsigmoid(x_g), ct],
+            [bf, bf, bf, f32, f32, f32], (0, 1, 2, 3, 4),
+            delta_rule_flops(b, t, h, kd, kd, backward=True), dict(inputs=DELTA_RULE_INPUTS))
 
 
 def _place(arrays, dtypes, sharding):
@@ -152,26 +188,24 @@ def _ring_runs(t_local, n):
     return [("one device", t_local), ("one device", t_local * n), ("ring attention", t_local * n)]
 
 
-def bench_context_parallel(log, env, backend, lengths):
+def bench_context_parallel(log, env, backend, lengths, cp_ops=("gla",)):
     devices = _devices()
     n = len(devices)
     b, h, kd = 1, 16, 128
-    bf = jnp.bfloat16
     mesh = Mesh(np.array(devices), ("seq",))
     split = NamedSharding(mesh, P(None, "seq"))
     one = NamedSharding(Mesh(np.array(devices[:1]), ("one",)), P())
-    for t_local in lengths:
-        for impl, t in _cp_runs(t_local, n):
-            sharding, devs = (one, devices[:1]) if impl == "one device" else (split, devices)
-            q, k, v, ct = _inputs([(b, t, h, kd)] * 4)
-            g = np.log(1.0 / (1.0 + np.exp(-_inputs([(b, t, h, kd)], seed=1)[0])))
-            args = _place([q, k, v, g, ct], [bf, bf, bf, jnp.float32, jnp.float32], sharding)
-            loss = _gla_loss(sharding if len(devs) > 1 else None, backend)
-            _time(log, _grads(loss, (0, 1, 2, 3)), args, devices=devs, impl=impl,
-                  part="cp", op="gla", shape=[b, t, h, kd, kd], backend=backend, gate=GATE,
-                  env=env, flops=gla_flops(b, t, h, kd, kd, backward=True),
-                  t_local=t // len(devs))
-            del args
+    for op in cp_ops:
+        for t_local in lengths:
+            for impl, t in _cp_runs(t_local, n):
+                sharding, devs = (one, devices[:1]) if impl == "one device" else (split, devices)
+                make_loss, arrays, dtypes, argnums, flops, fields = _cp_case(op, b, t, h, kd)
+                args = _place(arrays, dtypes, sharding)
+                loss = make_loss(sharding if len(devs) > 1 else None, backend)
+                _time(log, _grads(loss, argnums), args, devices=devs, impl=impl, part="cp",
+                      op=op, shape=[b, t, h, kd, kd], backend=backend, env=env, flops=flops,
+                      t_local=t // len(devs), **fields)
+                del args
 
 
 def bench_ring(log, env, backend, lengths):
@@ -205,9 +239,11 @@ def bench_lm_step(log, env, backend, t, d_model, num_layers, attention="gla", vo
     data = 2 if n >= 4 and n % 2 == 0 else 1
     mesh = Mesh(np.array(devices).reshape(data, n // data), ("data", "seq"))
     b = 2 * data
-    blk = block.Config(d_model=d_model, num_heads=max(1, d_model // 256), attention=attention,
+    pattern = tuple(attention.split("+"))  # one kind, or a hybrid's layer pattern
+    blk = block.Config(d_model=d_model, num_heads=max(1, d_model // 256), attention=pattern[0],
                        backend=backend)
-    cfg = lm.Config(vocab_size=vocab, num_layers=num_layers, block=blk, dtype="bfloat16")
+    cfg = lm.Config(vocab_size=vocab, num_layers=num_layers, block=blk, dtype="bfloat16",
+                    layer_pattern=pattern if len(pattern) > 1 else None)
     params = lm.init(jax.random.key(0), cfg)
     tx = training.adamw(1e-3)
     tokens = np.random.default_rng(0).integers(0, vocab, (b, t + 1)).astype(np.int32)
@@ -235,7 +271,7 @@ def bench_lm_step(log, env, backend, t, d_model, num_layers, attention="gla", vo
         _time(log, make_step(sharding), args, flops=flops, devices=devs, impl=impl,
               part="lm", op=f"{attention}_lm_step", shape=[b, t, d_model, num_layers],
               backend=backend, env=env, mesh=[data, n // data],
-              gate="the model's (logsigmoid / 16)" if attention != "softmax" else None)
+              gate="the model's" if attention != "softmax" else None)
 
 
 def main(argv=None):
@@ -247,6 +283,8 @@ def main(argv=None):
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--cp-lengths", default="32768,65536",
                         help="comma-separated T per device for the context-parallel part")
+    parser.add_argument("--cp-ops", default="gla",
+                        help=f"comma-separated ops of the context-parallel part, from {CP_OPS}")
     parser.add_argument("--ring-lengths", default="16384,32768",
                         help="comma-separated T per device for the ring part")
     parser.add_argument("--batch-t", type=int, default=4096, help="T of the batch part")
@@ -262,9 +300,12 @@ def main(argv=None):
     n = len(_devices())
     cp_lengths = [int(x) for x in args.cp_lengths.split(",")]
     ring_lengths = [int(x) for x in args.ring_lengths.split(",")]
+    cp_ops = tuple(args.cp_ops.split(","))
+    if not set(cp_ops) <= set(CP_OPS):
+        parser.error(f"--cp-ops takes {CP_OPS}; got {args.cp_ops!r}")
     programs = {  # per part, from the same run lists its function walks
         "batch": 2 * len(BATCH_IMPLS),  # flash attention and GLA
-        "cp": sum(len(_cp_runs(t, n)) for t in cp_lengths),
+        "cp": len(cp_ops) * sum(len(_cp_runs(t, n)) for t in cp_lengths),
         "ring": sum(len(_ring_runs(t, n)) for t in ring_lengths),
         "lm": len(LM_IMPLS),
     }
@@ -282,7 +323,7 @@ def main(argv=None):
                 t, d_model, layers, *kind = args.lm.split(",")
                 bench_lm_step(log, env, args.backend, int(t), int(d_model), int(layers), *kind)
             else:
-                bench_context_parallel(log, env, args.backend, cp_lengths)
+                bench_context_parallel(log, env, args.backend, cp_lengths, cp_ops)
         except Exception as e:  # the other parts still run; the traceback says what failed
             traceback.print_exc()
             left = programs[part] - (log.progress.done - start)
