@@ -218,14 +218,17 @@ def fwd_bwd(fn, ct):
 
 def parse_sizes(text):
     """'default;field=value,field=value;...' -> a list of dicts of BlockSizes fields, one per
-    variant ('default': none; digits become ints, anything else stays a string)."""
+    variant ('default': none; digits become ints, 'true' / 'false' bools, anything else stays a
+    string)."""
     variants = []
     for variant in text.split(";"):
         fields = {}
         for item in variant.split(","):
             if item and item != "default":
                 name, value = item.split("=")
-                fields[name] = int(value) if value.isdigit() else value
+                booleans = {"true": True, "false": False}
+                fields[name] = (int(value) if value.isdigit() else
+                                booleans.get(value.lower(), value))
         variants.append(fields)
     return variants
 

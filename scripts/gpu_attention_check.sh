@@ -8,9 +8,11 @@
 #   bash scripts/gpu_attention_check.sh tests,window   # both (about 8 minutes)
 #   bash scripts/gpu_attention_check.sh persistent     # the persistent forward beside the
 #       per-tile one, cuDNN and jla, forward only, at SHAPES (ATTENTION_SHAPES indices)
+#   bash scripts/gpu_attention_check.sh unpadded       # ragged T (4000) without the pad copies
+#       (BlockSizes.mosaic_unpadded) beside the padded call and cuDNN, fwd and fwd+bwd
 set -uo pipefail
 cd "$(dirname "$0")/.."
-parts="${1:?name the parts: tests, window, persistent (comma-separated)}"
+parts="${1:?name the parts: tests, window, persistent, unpadded (comma-separated)}"
 source scripts/_gpu_check.sh
 # jla's attention (a peer of part persistent) comes from the wheels in .whl/
 gpu_check_setup attention_check "$([[ ",$parts," == *",persistent,"* ]] && echo peers)"
@@ -29,6 +31,11 @@ if [[ ",$parts," == *",persistent,"* ]]; then
   step persistent "${PERSISTENT_LIMIT:-300}" python3 bench/gpu_side_by_side.py --part attention \
     --attention-shapes "${SHAPES:-9,8,15,1,0}" --modes fwd --out "$work" --tag attention_persistent \
     --attention-sizes "forward_kernel=mosaic_gpu;forward_kernel=mosaic_gpu,mosaic_forward=64x128x2p"
+fi
+if [[ ",$parts," == *",unpadded,"* ]]; then
+  step unpadded "${UNPADDED_LIMIT:-240}" python3 bench/gpu_side_by_side.py --part attention \
+    --attention-shapes "${SHAPES:-14,1}" --out "$work" --tag attention_unpadded \
+    --attention-sizes "forward_kernel=mosaic_gpu,backward_kernel=mosaic_gpu,mosaic_unpadded=true"
 fi
 for table in "$work"/*.md; do
   [ -e "$table" ] && { echo "== $(basename "$table")"; sed -n '/^```$/,/^```$/p' "$table"; } \

@@ -96,6 +96,49 @@ def test_persistent_forward_interpret_parity(case, tiles, dtype):
                            interpret=True, block_sizes=sizes)
 
 
+# Both Mosaic GPU sides on q, k, v as they come (BlockSizes.mosaic_unpadded; T and S multiples of
+# 8): the TMA copies read zeros past T and S and drop the rows past them on the way out (the GPU
+# interpreter does the same).
+# Causal only, as the backward's interpret cases (non-causal ones deadlock the interpreter).
+@pytest.mark.parametrize("case,dtype", [
+    (AttentionCase(2, 200, 136, 4, 2, 64, causal=True), BF16),  # T > S: rows that see no key
+    (AttentionCase(1, 136, 200, 2, 1, 256, causal=True, segments="pair"), F16),
+    pytest.param(AttentionCase(1, 328, 328, 2, 1, 64, causal=True, window=(90, 0), soft_cap=2.0),
+                 BF16, marks=FULL),
+], ids=str)
+def test_unpadded_mosaic_interpret_parity(case, dtype):
+    forward = ForwardTiles(64, 64, 2)
+    backward = BackwardTiles(64, 32, 2) if case.head_dim == 256 else BackwardTiles(64, 64, 2)
+    sizes = dataclasses.replace(MOSAIC, backward_kernel="mosaic_gpu", mosaic_forward=forward,
+                                mosaic_backward=backward, mosaic_unpadded=True)
+    check_attention_parity(case, jax.random.key(8), dtype=dtype, backend="pallas_gpu",
+                           interpret=True, block_sizes=sizes)
+
+
+@pytest.mark.parametrize("kv_len,pads", [(1104, False), (1100, True)])
+def test_unpadded_mosaic_calls_take_the_arrays_as_they_come(monkeypatch, kv_len, pads):
+    """No pad of q, k or v before the kernels (the lowered program has no pad at all) where T and
+    S are multiples of the TMA copies' 8 rows; S = 1100 is padded as before."""
+    monkeypatch.setattr(backends, "is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, kv_len, 2, 128), jnp.bfloat16)
+    texts = []
+    for unpadded in (False, True):
+        sizes = dataclasses.replace(default_block_sizes(128, jnp.bfloat16),
+                                    forward_kernel="mosaic_gpu", mosaic_unpadded=unpadded)
+
+        def loss(q, k, v, sizes=sizes):
+            o = ops.flash_attention(q, k, v, causal=True, backend="pallas_gpu",
+                                    block_sizes=sizes)
+            return jnp.sum(o.astype(jnp.float32))
+
+        with hopper_target():
+            texts.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+                lowering_platforms=("cuda",)).as_text())
+    assert "stablehlo.pad" in texts[0] and ("stablehlo.pad" in texts[1]) == pads
+    assert texts[1].count("custom_call @mosaic_gpu") == 3
+
+
 def test_persistent_forward_equals_the_per_tile_forward():
     """Each tile runs the same code: o and lse agree bit for bit."""
     tiles = ForwardTiles(64, 64, 2)
@@ -496,6 +539,35 @@ def test_gpu_persistent_forward_equals_the_per_tile_forward(case):
         outs.append(jax.jit(lambda q, k, v, sizes=sizes: ops.flash_attention(
             q, k, v, **case.options(), backend="pallas_gpu", block_sizes=sizes))(q, k, v))
     assert jnp.array_equal(*outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    AttentionCase(4, 4000, 4000, 8, 8, 128, causal=True),
+    AttentionCase(2, 1000, 1504, 4, 2, 64, causal=True, window=(300, 0)),
+    AttentionCase(1, 1000, 1200, 4, 2, 256, causal=False, soft_cap=1.0)], ids=str)
+def test_gpu_unpadded_mosaic_equals_padded(case):
+    """On the GPU, the Mosaic GPU kernels on unpadded q, k, v (BlockSizes.mosaic_unpadded; T and S
+    multiples of 8) give the padded call's output and gradients, bit for bit."""
+    keys = jax.random.split(jax.random.key(9), 4)
+    q = jax.random.normal(keys[0], (case.batch, case.q_len, case.num_heads, case.head_dim), BF16)
+    k, v = (jax.random.normal(key, (case.batch, case.kv_len, case.num_kv_heads, case.head_dim),
+                              BF16) for key in keys[1:3])
+    ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+    outs = []
+    for unpadded in (False, True):
+        sizes = dataclasses.replace(default_block_sizes(case.head_dim, BF16),
+                                    forward_kernel="mosaic_gpu", backward_kernel="mosaic_gpu",
+                                    mosaic_unpadded=unpadded)
+
+        def loss(q, k, v, sizes=sizes):
+            o = ops.flash_attention(q, k, v, **case.options(), backend="pallas_gpu",
+                                    block_sizes=sizes)
+            return jnp.sum(o.astype(jnp.float32) * ct), o
+
+        outs.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v))
+    for want, got in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        assert jnp.array_equal(want, got)
 
 
 @pytest.mark.gpu

@@ -36,14 +36,21 @@ CAPABILITIES = Capabilities(
 )
 
 
+# The Mosaic GPU kernels' TMA copies tile a [B, T, H, D] array's T in rows of 8 (SWIZZLED): an
+# unpadded array's T must be a multiple of it (Mosaic GPU refuses the copy otherwise)
+TMA_ROWS = 8
+
+
 def check_supported(problem, block_sizes) -> None:
     CAPABILITIES.check(problem, block_sizes)
 
 
 def _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret,
-             empty_row_lse=0.0):
+             empty_row_lse=0.0, may_skip_padding=False):
     """Block sizes, the Mosaic GPU kernels' tiles (plan.MosaicTiles), geometry, and the inputs
-    padded to it."""
+    padded to it (q, k, v left as they come where `may_skip_padding`, BlockSizes.mosaic_unpadded
+    and both sides run Mosaic GPU kernels, whose TMA copies read zeros past an array's end, and
+    T and S are multiples of TMA_ROWS)."""
     sizes = block_sizes or default_block_sizes(problem.head_dim, problem.dtype)
     tiles = mosaic_tiles(problem, sizes, bool(interpret))
     t, s = problem.q_len, problem.kv_len
@@ -60,13 +67,16 @@ def _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, inter
     if problem.has_segments:
         q_seg = pad_time(q_segment_ids, mq)
         kv_seg = pad_time(kv_segment_ids, mk)
+    if (may_skip_padding and sizes.mosaic_unpadded and tiles.forward is not None
+            and tiles.backward is not None and t % TMA_ROWS == 0 and s % TMA_ROWS == 0):
+        return sizes, tiles, geo, (q, k, v, q_seg, kv_seg)
     padded = (pad_time(q, mq), pad_time(k, mk), pad_time(v, mk), q_seg, kv_seg)
     return sizes, tiles, geo, padded
 
 
 def flash_attention(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret):
     sizes, tiles, geo, padded = _prepare(q, k, v, problem, q_segment_ids, kv_segment_ids,
-                                         block_sizes, interpret)
+                                         block_sizes, interpret, may_skip_padding=True)
     o = vjp.attention(*padded, geo, sizes, tiles, bool(interpret))
     return o[:, : problem.q_len]
 

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask, walk
+from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_forward import check_padded_lengths
 from gla_tpu.ops.attention.pallas_gpu.plan import (CONSUMERS, BackwardTiles, Geometry,
                                                   splits_dkv_roles)
 from gla_tpu.ops.attention.scores import base2_scores
@@ -318,10 +319,12 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
                 tiles: BackwardTiles, interpret):
     """dq [B, Tp, H, D] in q's dtype from q, do [B, Tp, H, D], k, v [B, Sp, Hkv, D], the base-2
     lse and delta [B, H, Tp] and the segment ids q_seg [B, Tp], kv_seg [B, Sp] (None without).
-    Tp must be a multiple of 2 * block_q, Sp of block_kv."""
-    b, tp, h, d = q.shape
+    The kernel walks geo.padded_q (Tp) rows, a multiple of 2 * block_q, and geo.padded_kv (Sp)
+    keys, of block_kv; the arrays may be shorter (TMA reads zeros past their ends and drops the
+    rows of dq past T)."""
+    b, _, h, d = q.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
-    n_tiles = tp // (CONSUMERS * bq)
+    n_tiles = check_padded_lengths(geo, CONSUMERS * bq, bkv)
     segments = geo.has_segments
     # dq += ds k contracts over the block's keys. wgmma contracts a 128-byte-swizzled operand in
     # groups of 64, so 32-key blocks (head dim 256) take a second copy of k with the 64-byte
@@ -431,10 +434,14 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
 def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geometry,
                  tiles: BackwardTiles, interpret):
     """(dk, dv) [B, Sp, Hkv, D] in k's dtype, summed over each kv head's query group; segment ids
-    as backward_dq's. Sp must be a multiple of 2 * block_kv, Tp of block_q."""
-    b, sp, hkv, d = k.shape
+    as backward_dq's. geo.padded_kv (Sp) must be a multiple of 2 * block_kv, geo.padded_q of
+    block_q; the arrays may be shorter, as backward_dq's."""
+    b, _, hkv, d = k.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
-    n_tiles = sp // (CONSUMERS * bkv)
+    if geo.padded_kv % (CONSUMERS * bkv) or geo.padded_q % bq:
+        raise ValueError(f"padded lengths {geo.padded_q}, {geo.padded_kv} must be multiples of "
+                         f"{bq}, {CONSUMERS * bkv}")
+    n_tiles = geo.padded_kv // (CONSUMERS * bkv)
     split = splits_dkv_roles(d)
     segments = geo.has_segments
     owners, own_rows = (1, CONSUMERS * bkv) if split else (CONSUMERS, bkv)

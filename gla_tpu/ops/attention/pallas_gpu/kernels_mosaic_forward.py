@@ -37,6 +37,15 @@ from gla_tpu.ops.common.mosaic_gpu import (SWIZZLED, interpret_params, release_s
 
 
 
+def check_padded_lengths(geo: Geometry, query_multiple: int, key_multiple: int) -> int:
+    """The number of query tiles; ValueError unless the geometry's padded lengths are multiples
+    of the tiles."""
+    if geo.padded_q % query_multiple or geo.padded_kv % key_multiple:
+        raise ValueError(f"padded lengths {geo.padded_q}, {geo.padded_kv} must be multiples of "
+                         f"{query_multiple}, {key_multiple}")
+    return geo.padded_q // query_multiple
+
+
 def take_turn(turn):
     """Rendezvous of the two consumers on the tensor-core turn barrier."""
     plgpu.barrier_arrive(turn)
@@ -253,14 +262,14 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
     """q [B, Tp, H, D], k/v [B, Sp, Hkv, D], segment ids q_seg [B, Tp], kv_seg [B, Sp] int32 or
     None -> (o [B, Tp, H, D], lse [B, H, Tp] float32).
 
-    Tp must be a multiple of 2 * block_q and Sp of block_kv (pallas_gpu.py pads).
+    The kernel walks geo.padded_q rows and geo.padded_kv keys, multiples of 2 * block_q and of
+    block_kv; q, k, v may be that long (entry.py pads) or shorter (its TMA copies read zeros past
+    their ends and drop the rows of o past T).
     """
-    b, tp, h, d = q.shape
+    b, _, h, d = q.shape
+    tp = geo.padded_q
     bq, bkv = tiles.block_q, tiles.block_kv
-    n_tiles = tp // tiles.query_multiple
-    if tp % tiles.query_multiple or k.shape[1] % bkv:
-        raise ValueError(f"padded lengths {tp}, {k.shape[1]} must be multiples of "
-                         f"{tiles.query_multiple}, {bkv}")
+    n_tiles = check_padded_lengths(geo, tiles.query_multiple, bkv)
 
     segments = geo.has_segments
 

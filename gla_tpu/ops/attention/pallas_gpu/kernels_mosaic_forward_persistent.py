@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks
-from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_forward import (epilogue, kv_block_loader,
+from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_forward import (check_padded_lengths,
+                                                                    epilogue, kv_block_loader,
                                                                     query_ids, scratch_types,
                                                                     walk_tile)
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
@@ -59,12 +60,10 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
             interpret: bool):
     """As kernels_mosaic_forward.forward: q [B, Tp, H, D], k/v [B, Sp, Hkv, D], segment ids or
     None -> (o [B, Tp, H, D], base-2 lse [B, H, Tp] float32)."""
-    b, tp, h, d = q.shape
+    b, _, h, d = q.shape
+    tp = geo.padded_q
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
-    n_tiles = tp // tiles.query_multiple
-    if tp % tiles.query_multiple or k.shape[1] % bkv:
-        raise ValueError(f"padded lengths {tp}, {k.shape[1]} must be multiples of "
-                         f"{tiles.query_multiple}, {bkv}")
+    n_tiles = check_padded_lengths(geo, tiles.query_multiple, bkv)
     segments = geo.has_segments
     items = n_tiles * h * b
     ctas = min(tiles.ctas or backends.gpu_sm_count(), items)

@@ -247,8 +247,14 @@ class BlockSizes:
     mosaic_forward: ForwardTiles = ForwardTiles()
     backward_kernel: str = "auto"
     mosaic_backward: BackwardTiles = BackwardTiles()
+    # where the forward and the backward are both Mosaic GPU kernels, hand them q, k, v as they
+    # come, without padding T and S to the tiles: the TMA loads past an array's end read zeros
+    # and its stores past the end are dropped (off by default until timed on a GPU)
+    mosaic_unpadded: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.mosaic_unpadded, bool):
+            raise ValueError(f"BlockSizes.mosaic_unpadded={self.mosaic_unpadded!r} must be a bool.")
         for name in ("forward_kernel", "backward_kernel"):
             if getattr(self, name) not in FORWARD_KERNELS:
                 raise ValueError(f"BlockSizes.{name}={getattr(self, name)!r} must be one of "
