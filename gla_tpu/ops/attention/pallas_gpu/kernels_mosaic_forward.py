@@ -17,6 +17,8 @@ it (blocks.py). With segment ids each consumer holds its rows' ids and the produ
 key blocks' ids beside K and V; every block is then masked. A logit soft cap takes the scores
 through c tanh(s / c) (attention/scores.py). float32 and head dims other than
 64 / 128 / 256 take the Triton forward (plan.mosaic_forward_unsupported_reason).
+kernels_mosaic_forward_persistent.py runs the same per-tile code (`walk_tile`, `epilogue`) with one
+block per SM over a list of tiles.
 docs/gpu_attention.md has the design and the measurements.
 """
 
@@ -70,8 +72,8 @@ def _consumer(refs, seg_refs, *, geo: Geometry, tiles: ForwardTiles, tile_blocks
     plgpu.barrier_wait(q_ready)
     ring = (k_smem, v_smem, k_ready, v_ready, k_free, v_free, turn)
     acc, m, l = walk_tile(qo_smem, ring, seg_refs, q_seg_rows, q_base=q_base, wg=wg,
-                      tile_blocks=tile_blocks, ring_base=0, geo=geo, tiles=tiles,
-                      dtype=q_ref.dtype, in_place=in_place)
+                          tile_blocks=tile_blocks, ring_base=0, geo=geo, tiles=tiles,
+                          dtype=q_ref.dtype, in_place=in_place)
     epilogue(acc, m, l, qo_smem, lse_smem, o_ref, lse_ref, batch, head, q_base, geo=geo)
     plgpu.wait_smem_to_gmem(0)
 
@@ -87,7 +89,7 @@ def query_ids(seg_refs, batch, q_base, bq):
 
 
 def walk_tile(q_smem, ring, seg_refs, q_seg_rows, *, q_base, wg, tile_blocks, ring_base, geo,
-          tiles: ForwardTiles, dtype, in_place: bool):
+              tiles: ForwardTiles, dtype, in_place: bool):
     """One consumer's online softmax over the key blocks of its tile: (acc [bq, D], m, l [bq])
     float32. Key block b of the tile sits in ring slot (ring_base + b - first) mod stages."""
     k_smem, v_smem, k_ready, v_ready, k_free, v_free, turn = ring
