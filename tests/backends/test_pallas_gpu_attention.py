@@ -341,6 +341,11 @@ def test_forward_tiles_validate(kwargs, match):
         ForwardTiles(**kwargs)
 
 
+def test_block_sizes_refuse_a_non_bool_unpadded():
+    with pytest.raises(ValueError, match="mosaic_unpadded=1"):
+        BlockSizes(mosaic_unpadded=1)
+
+
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
 def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
     q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
