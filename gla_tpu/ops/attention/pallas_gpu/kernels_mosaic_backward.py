@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks, q_blocks, visibility_mask, walk
-from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_forward import check_padded_lengths
+from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_forward import (check_padded_lengths,
+                                                                    warp_specialized_kernel)
 from gla_tpu.ops.attention.pallas_gpu.plan import (CONSUMERS, BackwardTiles, Geometry,
                                                   splits_dkv_roles)
 from gla_tpu.ops.attention.scores import base2_scores
@@ -286,14 +287,8 @@ def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_b
 
 
 def _kernel(body, *, out_type, scratch, grid, interpret):
-    """`interpret`: False, True (GPU interpret mode) or plgpu.InterpretGPUParams (the tests' race
-    detector)."""
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
-    return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=grid,
-        grid_names=("tile", "head", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret or None)
+    return warp_specialized_kernel(body, out_type=out_type, scratch=scratch, grid=grid,
+                                   grid_names=("tile", "head", "batch"), interpret=interpret)
 
 
 def _own_scratch(rows: int, d: int, dtype, n_vectors: int, owners: int = CONSUMERS):
@@ -438,9 +433,7 @@ def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geome
     block_q; the arrays may be shorter, as backward_dq's."""
     b, _, hkv, d = k.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
-    if geo.padded_kv % (CONSUMERS * bkv) or geo.padded_q % bq:
-        raise ValueError(f"padded lengths {geo.padded_q}, {geo.padded_kv} must be multiples of "
-                         f"{bq}, {CONSUMERS * bkv}")
+    check_padded_lengths(geo, bq, CONSUMERS * bkv)
     n_tiles = geo.padded_kv // (CONSUMERS * bkv)
     split = splits_dkv_roles(d)
     segments = geo.has_segments

@@ -48,6 +48,17 @@ def check_padded_lengths(geo: Geometry, query_multiple: int, key_multiple: int) 
     return geo.padded_q // query_multiple
 
 
+def warp_specialized_kernel(body, *, out_type, scratch, grid, grid_names, interpret):
+    """plgpu.kernel of the attention kernels' shape: CONSUMERS consumer warpgroups and one
+    producer ("wg"), approximate math; `interpret`: False, True (GPU interpret mode) or an
+    InterpretGPUParams (the tests' race detector)."""
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params(interpret))
+
+
 def take_turn(turn):
     """Rendezvous of the two consumers on the tensor-core turn barrier."""
     plgpu.barrier_arrive(turn)
@@ -311,18 +322,11 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
             _producer(refs, seg_refs, geo=geo, tiles=tiles, tile_blocks=tile_blocks)
 
     scratch = scratch_types(q.dtype, d, tiles, segments)
-    kernel = plgpu.kernel(
-        body,
-        out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
-        scratch_types=scratch,
-        grid=(n_tiles, h, b),
-        grid_names=("tile", "head", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params(interpret),
-    )
+    kernel = warp_specialized_kernel(
+        body, out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
+        scratch=scratch, grid=(n_tiles, h, b), grid_names=("tile", "head", "batch"),
+        interpret=interpret)
     with jax.named_scope(f"flash_fwd_mosaic_block_q={bq}_block_kv={bkv}"):
         o, lse = kernel(q, k, v, *((q_seg, kv_seg) if segments else ()))
     return o, lse

@@ -30,10 +30,11 @@ from gla_tpu.ops.attention.pallas_gpu.blocks import kv_blocks
 from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_forward import (check_padded_lengths,
                                                                     epilogue, kv_block_loader,
                                                                     query_ids, scratch_types,
-                                                                    walk_tile)
+                                                                    walk_tile,
+                                                                    warp_specialized_kernel)
 from gla_tpu.ops.attention.pallas_gpu.plan import CONSUMERS, ForwardTiles, Geometry
 from gla_tpu.ops.common import backends
-from gla_tpu.ops.common.mosaic_gpu import interpret_params, ring_continue, ring_drain
+from gla_tpu.ops.common.mosaic_gpu import ring_continue, ring_drain
 
 
 def _work_list(geo: Geometry, tiles: ForwardTiles, *, n_tiles: int, heads: int, items: int,
@@ -152,18 +153,10 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, geo: Geometry, tiles: ForwardTi
             ring_drain(total, stages=stages, free=(k_free, v_free))
 
     scratch = scratch_types(q.dtype, d, tiles, segments, output_tiles=separate)
-    kernel = plgpu.kernel(
-        body,
-        out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
-        scratch_types=scratch,
-        grid=(ctas,),
-        grid_names=("cta",),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params(interpret),
-    )
+    kernel = warp_specialized_kernel(
+        body, out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
+        scratch=scratch, grid=(ctas,), grid_names=("cta",), interpret=interpret)
     with jax.named_scope(f"flash_fwd_mosaic_persistent_block_q={bq}_block_kv={bkv}"):
         o, lse = kernel(q, k, v, *((q_seg, kv_seg) if segments else ()))
     return o, lse
