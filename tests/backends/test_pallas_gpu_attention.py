@@ -24,8 +24,11 @@ from gla_tpu.ops.attention.validation import validate_attention
 from gla_tpu.ops.common import backends
 from gla_tpu.ops.common.padding import pad_time
 from gla_tpu.testing.gpu_lowering import hopper_target
-from gla_tpu.testing.parity import check_attention_parity
-from gla_tpu.testing.problems import AttentionCase
+from gla_tpu.ops.attention import pallas_gpu
+from gla_tpu.ops.attention import xla as xla_attention
+from gla_tpu.testing.parity import case_seed, check_attention_parity
+from gla_tpu.testing.problems import AttentionCase, make_attention_inputs
+from gla_tpu.testing.tolerance import assert_pass_rule
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -630,6 +633,103 @@ def test_gpu_triton_parity_bf16(case):
 def test_gpu_triton_parity_dtypes(dtype, head_dim):
     case = AttentionCase(1, 1024, 1024, 4, 2, head_dim, causal=True)
     check_attention_parity(case, jax.random.key(3), dtype=dtype, backend="pallas_gpu")
+
+
+def _check_ring_block_grads(case, dtype, block_sizes, interpret):
+    """Ring attention's float32 gradients of one (query block, key block) pair, given the whole
+    attention's lse and delta (`attention_block_grads`), against the xla block's in float64 under
+    the pass rule. The whole lse is the block's own raised by up to 1 (the other blocks' weight);
+    row 5 sees no key anywhere (lse -inf: zero gradients). case.window may have a negative side,
+    as a ring block's window does."""
+    key = jax.random.key(case_seed(case, "ring block"))
+    inputs = make_attention_inputs(case, key, dtype)
+    k_do, k_shift, k_delta = jax.random.split(jax.random.fold_in(key, 1), 3)
+    x = (inputs["q"], inputs["k"], inputs["v"],
+         jax.random.normal(k_do, inputs["q"].shape, jnp.float32).astype(dtype))
+    b, t, h, _ = x[0].shape
+
+    def block_args(x):
+        problem, q_seg, kv_seg = validate_attention(
+            *x[:3], causal=case.causal, sm_scale=None, segment_ids=inputs["segment_ids"],
+            logits_soft_cap=case.soft_cap)
+        return dict(problem=dataclasses.replace(problem, window=case.window),
+                    q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+    f32 = tuple(a.astype(jnp.float32) for a in x)
+    _, lse = xla_attention.attention_block(*f32[:3], **block_args(f32), block_sizes=None,
+                                           interpret=False)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.5) + jax.random.uniform(k_shift, (b, h, t))
+    lse = lse.at[:, :, 5].set(-jnp.inf)
+    delta = jax.random.normal(k_delta, (b, h, t))
+
+    def grads(module, x, **options):
+        wide = jnp.promote_types(x[0].dtype, jnp.float32)  # float32, or float64 for the reference
+        return dict(zip(("dq", "dk", "dv"), module.attention_block_grads(
+            *x, lse.astype(wide), delta.astype(wide), **block_args(x), **options)))
+
+    kernel = jax.jit(lambda *x: grads(pallas_gpu, x, block_sizes=block_sizes,
+                                      interpret=interpret))(*x)
+    baseline = grads(xla_attention, x, block_sizes=None, interpret=False)
+    with jax.enable_x64(True):
+        reference = grads(xla_attention, tuple(a.astype(jnp.float64) for a in x),
+                          block_sizes=None, interpret=False)
+    assert_pass_rule(kernel, baseline, reference, dtype=dtype)
+    assert not jnp.any(kernel["dq"][:, 5])
+
+
+def _mosaic_gradient_sizes(head_dim):
+    """The Mosaic GPU pair forced, at the head dim's default tiles."""
+    return dataclasses.replace(default_block_sizes(head_dim, BF16), forward_kernel="mosaic_gpu",
+                               backward_kernel="mosaic_gpu")
+
+
+# Ring blocks: the Mosaic GPU dq and dk/dv kernels write each gradient in two parts of the input
+# dtype (hi + lo in float32: 16 bits of mantissa), the Triton ones float32.
+@pytest.mark.parametrize("case,dtype", [
+    (AttentionCase(1, 256, 256, 2, 1, 64, causal=True), BF16),
+    # not causal, segment ids, T not a multiple of the tiles (padded)
+    (AttentionCase(1, 200, 200, 2, 2, 128, causal=False, segments="shared"), F16),
+    # a block-local window with a negative side (the key block lies ahead of the queries) and a
+    # soft cap; head dim 256 (dk/dv's split roles write one gradient each)
+    pytest.param(AttentionCase(1, 256, 256, 2, 1, 256, window=(-40, 100), soft_cap=2.0), BF16,
+                 marks=FULL),
+    pytest.param(AttentionCase(2, 128, 128, 4, 2, 64, causal=True, segments="shared"), F16,
+                 marks=FULL),
+], ids=str)
+def test_ring_block_gradients_from_the_mosaic_backward(case, dtype):
+    sizes = _mosaic_gradient_sizes(case.head_dim)
+    if case.head_dim != 256:  # the smaller interpret tiles
+        sizes = dataclasses.replace(sizes, mosaic_backward=BackwardTiles(64, 64, 2))
+    _check_ring_block_grads(case, dtype, sizes, interpret=True)
+
+
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (256, False)])
+def test_ring_block_gradients_lower_to_two_mosaic_kernels(head_dim, causal):
+    """The two-part outputs through Mosaic GPU's lowering for CUDA (head dim 256: dk/dv's split
+    roles), no Triton kernel."""
+    q = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, 4, 1024), jnp.float32)
+    problem, _, _ = validate_attention(q, kv, kv, causal=causal, sm_scale=None, segment_ids=None)
+
+    def grads(q, k, v, do, lse, delta):
+        return pallas_gpu.attention_block_grads(
+            q, k, v, do, lse, delta, problem=problem, q_segment_ids=None, kv_segment_ids=None,
+            block_sizes=_mosaic_gradient_sizes(head_dim), interpret=False)
+
+    text = jax.jit(grads).trace(q, kv, kv, q, rows, rows).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2
+    assert text.count("xla.gpu.triton") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    AttentionCase(1, 2048, 2048, 8, 2, 128, causal=True),
+    AttentionCase(2, 2000, 2000, 4, 4, 64, causal=False, segments="shared"),
+    AttentionCase(1, 2048, 2048, 4, 1, 256, window=(-300, 1200), soft_cap=2.0)], ids=str)
+def test_gpu_ring_block_gradients_from_the_mosaic_backward(case):
+    _check_ring_block_grads(case, BF16, _mosaic_gradient_sizes(case.head_dim), interpret=False)
 
 
 # Ring attention (T split over 2 GPUs): the Mosaic GPU forward, with and without segments (not

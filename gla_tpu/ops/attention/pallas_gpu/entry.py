@@ -4,7 +4,8 @@ Forward and backward are three kernels: forward (o and log-sum-exp), dq, and dk/
 (kernels_triton.py, Triton lowering). On Hopper the Mosaic GPU kernels (wgmma, TMA, warp
 specialization) of kernels_mosaic_forward.py and kernels_mosaic_backward.py take their place
 where they apply, since they are the faster ones there; both forwards write the same o and lse,
-which either backward consumes. Ring attention's block gradients (float32) stay on Triton.
+which either backward consumes. Ring attention's block gradients (float32) come from the same
+kernels: the Mosaic GPU pair writes each gradient in two parts of the input dtype.
 This module pads and picks the kernels and block sizes (plan.py); vjp.py wires the kernels.
 docs/gpu_attention.md explains the choices and the measured speed.
 """
@@ -100,12 +101,16 @@ def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv
                           block_sizes, interpret):
     """This block's float32 dq [B, T, H, D], dk, dv [B, S, Hkv, D] given the whole attention's
     lse and delta [B, H, T]; as `xla.attention_block_grads`."""
-    sizes, _, geo, (qp, kp, vp, q_seg, kv_seg) = _prepare(
+    sizes, tiles, geo, (qp, kp, vp, q_seg, kv_seg) = _prepare(
         q, k, v, problem, q_segment_ids, kv_segment_ids, block_sizes, interpret)
     tp = geo.padded_q
     # base-2 lse; +inf (p = 0) for a row that sees no key anywhere; padded rows have do = 0
     lse2 = pad_time(jnp.where(jnp.isfinite(lse), lse / LN_2, jnp.inf), tp, axis=2)
-    dq, dk, dv = vjp.gradients(qp, kp, vp, q_seg, kv_seg, pad_time(do, tp), lse2,
-                               pad_time(delta, tp, axis=2), geo, sizes, bool(interpret),
-                               out_dtype=jnp.float32)
+    args = (qp, kp, vp, q_seg, kv_seg, pad_time(do, tp), lse2, pad_time(delta, tp, axis=2))
+    if tiles.backward is not None:
+        dq, dk, dv = vjp.mosaic_gradients(*args, geo, tiles.backward, bool(interpret), parts=2)
+        # each in two parts of q's dtype (hi + lo), summed in float32: 16 bits of mantissa
+        dq, dk, dv = (hi.astype(jnp.float32) + lo.astype(jnp.float32) for hi, lo in (dq, dk, dv))
+    else:
+        dq, dk, dv = vjp.gradients(*args, geo, sizes, bool(interpret), out_dtype=jnp.float32)
     return dq[:, : problem.q_len], dk[:, : problem.kv_len], dv[:, : problem.kv_len]

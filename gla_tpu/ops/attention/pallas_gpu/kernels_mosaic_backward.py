@@ -92,11 +92,30 @@ def _load_own(pairs, ready):
         plgpu.barrier_wait(barrier)
 
 
+def _write_parts(outputs, rows, dtype):
+    """Each (shared tile, output refs, float32 value) written to its refs through the tile: one
+    ref takes the value rounded to `dtype`; with two, the second takes what the first's rounding
+    left, rounded too (ref 0 + ref 1 in float32 keeps 16 bits of the value's mantissa)."""
+    values = [value for _, _, value in outputs]
+    for part in range(len(outputs[0][1])):
+        if part:  # the previous part's copies still read the tiles
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        rounded = [value.astype(dtype) for value in values]
+        for (smem, _, _), value in zip(outputs, rounded):
+            smem[...] = value
+        plgpu.commit_smem()
+        for smem, refs, _ in outputs:
+            plgpu.copy_smem_to_gmem(smem, refs[part].at[rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        values = [v - r.astype(jnp.float32) for v, r in zip(values, rounded)]
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_blocks,
                  in_place: bool):
     """tile_blocks: the key blocks [first, end) the producer streams. seg_refs: None, or (q_seg_ref, q_seg_smem, q_seg_ready, k_seg_smem, k_seg_ready) with
     segment ids (the rows' own ids; the key blocks' ids streamed beside k and v)."""
-    (q_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem, own_ready,
+    (q_ref, do_ref, lse_ref, delta_ref, dq_refs, q_smem, do_smem, lse_smem, delta_smem, own_ready,
      k_smem, v_smem, k_ready, v_ready, kv_free, batch, head, tile_base, wg, kc_smem,
      kc_ready) = refs
     bq, bkv, d = tiles.block_q, tiles.block_kv, q_ref.shape[-1]
@@ -169,10 +188,7 @@ def _dq_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_bl
         dq = lax.fori_loop(start, end, lambda i, c, masked=masked: step_fn(masked, i, c), dq)
     lax.fori_loop(bounds[3], tile_end, release, None)
 
-    q_smem[...] = (dq * geo.sm_scale).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    _write_parts([(q_smem, dq_refs, dq * geo.sm_scale)], rows, dtype)
 
 
 # The dk/dv kernel's consumer roles: both gradients of its own keys, or (head dim 256) one of the
@@ -185,7 +201,7 @@ def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_b
     """tile_blocks: the query blocks [first, end) of each head the producer streams, head after
     head. seg_refs: None, or (k_seg_ref, k_seg_smem, k_seg_ready, q_seg_smem) with segment ids (the
     keys' own ids; the query blocks' ids streamed with q, their barrier among `ready`)."""
-    (k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem, own_ready, q_smem, do_smem, lse_smem,
+    (k_ref, v_ref, dk_refs, dv_refs, k_smem, v_smem, own_ready, q_smem, do_smem, lse_smem,
      delta_smem, ready, q_free, batch, kv_head, tile_base, wg, done) = refs
     bq, keys, d = tiles.block_q, k_smem.shape[0], k_ref.shape[-1]
     dtype = k_ref.dtype
@@ -271,19 +287,13 @@ def _dkv_consumer(refs, seg_refs, *, geo: Geometry, tiles: BackwardTiles, tile_b
 
     if role == BOTH:
         dk, dv = carry
-        outputs = ((k_smem, dk_ref, dk * geo.sm_scale), (v_smem, dv_ref, dv))
+        outputs = ((k_smem, dk_refs, dk * geo.sm_scale), (v_smem, dv_refs, dv))
     else:  # the partner reads both shared tiles until its last step: wait for it
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
-        outputs = (((v_smem, dv_ref, carry[0]),) if role == DV
-                   else ((k_smem, dk_ref, carry[0] * geo.sm_scale),))
-    for smem, _, value in outputs:
-        smem[...] = value.astype(dtype)
-    plgpu.commit_smem()
-    for smem, out_ref, _ in outputs:
-        plgpu.copy_smem_to_gmem(smem, out_ref.at[rows], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+        outputs = (((v_smem, dv_refs, carry[0]),) if role == DV
+                   else ((k_smem, dk_refs, carry[0] * geo.sm_scale),))
+    _write_parts(outputs, rows, dtype)
 
 
 def _kernel(body, *, out_type, scratch, grid, interpret):
@@ -300,6 +310,11 @@ def _own_scratch(rows: int, d: int, dtype, n_vectors: int, owners: int = CONSUME
     return tiles + vectors + barriers
 
 
+def _check_parts(parts: int) -> None:
+    if parts not in (1, 2):
+        raise ValueError(f"parts={parts!r}: the backward writes its gradients in 1 or 2 parts.")
+
+
 def _take(refs: list, n: int) -> list:
     """The next n of a kernel body's flat refs (popped from the front); [None] * n for n < 0
     (a group of optional refs the kernel does not have)."""
@@ -311,12 +326,14 @@ def _take(refs: list, n: int) -> list:
 
 
 def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geometry,
-                tiles: BackwardTiles, interpret):
+                tiles: BackwardTiles, interpret, parts: int = 1):
     """dq [B, Tp, H, D] in q's dtype from q, do [B, Tp, H, D], k, v [B, Sp, Hkv, D], the base-2
     lse and delta [B, H, Tp] and the segment ids q_seg [B, Tp], kv_seg [B, Sp] (None without).
     The kernel walks geo.padded_q (Tp) rows, a multiple of 2 * block_q, and geo.padded_kv (Sp)
     keys, of block_kv; the arrays may be shorter (TMA reads zeros past their ends and drops the
-    rows of dq past T)."""
+    rows of dq past T). parts = 2: a list [hi, lo] of two such arrays, whose float32 sum is dq
+    to 16 bits (_write_parts; ring attention's float32 block gradients)."""
+    _check_parts(parts)
     b, _, h, d = q.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
     n_tiles = check_padded_lengths(geo, CONSUMERS * bq, bkv)
@@ -365,7 +382,7 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
         refs = list(flat)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = _take(refs, 6)
         q_seg_ref, k_seg_ref = _take(refs, 2 if segments else -2)
-        (dq_ref,) = _take(refs, 1)
+        dq_refs = _take(refs, parts)
         r = dict.fromkeys(("kc_smem", "kc_ready", "q_seg_smem2", "q_seg_ready", "k_seg_smem",
                            "k_seg_ready"))
         r.update(zip(names, refs))
@@ -390,7 +407,7 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
             plgpu.set_max_registers(232, action="increase")
             own_ready = tuple(x.at[wg] for x in (sm.q_ready, sm.do_ready, sm.lse_ready,
                                                  sm.delta_ready))
-            refs = (q_ref, do_ref, lse_ref, delta_ref, dq_ref, sm.q_smem2.at[wg],
+            refs = (q_ref, do_ref, lse_ref, delta_ref, dq_refs, sm.q_smem2.at[wg],
                     sm.do_smem2.at[wg], sm.lse_smem2.at[wg], sm.delta_smem2.at[wg], own_ready,
                     sm.k_smem, sm.v_smem, sm.k_ready, sm.v_ready, sm.kv_free, batch, head,
                     tile_base, wg, sm.kc_smem, sm.kc_ready)
@@ -420,17 +437,21 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
                           free=(sm.kv_free,))
 
     scratch = [buffers[name] for name in names]
-    kernel = _kernel(body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=scratch,
-                     grid=(n_tiles, h, b), interpret=interpret)
+    out = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * parts
+    kernel = _kernel(body, out_type=out, scratch=scratch, grid=(n_tiles, h, b),
+                     interpret=interpret)
     with jax.named_scope(f"flash_dq_mosaic_block_q={bq}_block_kv={bkv}"):
-        return kernel(q, k, v, do, lse, delta, *((q_seg, kv_seg) if segments else ()))
+        dq = kernel(q, k, v, do, lse, delta, *((q_seg, kv_seg) if segments else ()))
+    return dq[0] if parts == 1 else dq
 
 
 def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geometry,
-                 tiles: BackwardTiles, interpret):
+                 tiles: BackwardTiles, interpret, parts: int = 1):
     """(dk, dv) [B, Sp, Hkv, D] in k's dtype, summed over each kv head's query group; segment ids
     as backward_dq's. geo.padded_kv (Sp) must be a multiple of 2 * block_kv, geo.padded_q of
-    block_q; the arrays may be shorter, as backward_dq's."""
+    block_q; the arrays may be shorter, as backward_dq's. parts = 2: dk and dv each a list
+    [hi, lo], as backward_dq's."""
+    _check_parts(parts)
     b, _, hkv, d = k.shape
     bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
     check_padded_lengths(geo, bq, CONSUMERS * bkv)
@@ -443,8 +464,9 @@ def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geome
         refs = list(flat)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = _take(refs, 6)
         q_seg_ref, k_seg_ref = _take(refs, 2 if segments else -2)
-        (dk_ref, dv_ref, k_smem2, v_smem2, k_ready, v_ready, q_smem, do_smem, lse_smem,
-         delta_smem, q_ready, do_ready, lse_ready, delta_ready, q_free) = _take(refs, 15)
+        dk_refs, dv_refs = _take(refs, parts), _take(refs, parts)
+        (k_smem2, v_smem2, k_ready, v_ready, q_smem, do_smem, lse_smem, delta_smem, q_ready,
+         do_ready, lse_ready, delta_ready, q_free) = _take(refs, 13)
         (done,) = _take(refs, 1 if split else -1)
         k_seg_smem2, k_seg_ready, q_seg_smem, q_seg_ready = _take(refs, 4 if segments else -4)
         tile = lax.axis_index("tile")
@@ -463,7 +485,7 @@ def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geome
         ready = (q_ready, do_ready, lse_ready, delta_ready) + ((q_seg_ready,) if segments else ())
 
         def consumer(owner, role):
-            refs = (k_ref, v_ref, dk_ref, dv_ref, k_smem2.at[owner], v_smem2.at[owner],
+            refs = (k_ref, v_ref, dk_refs, dv_refs, k_smem2.at[owner], v_smem2.at[owner],
                     (k_ready.at[owner], v_ready.at[owner]), q_smem, do_smem, lse_smem,
                     delta_smem, ready, q_free, batch, kv_head, tile_base, wg, done)
             seg_refs = ((k_seg_ref, k_seg_smem2.at[owner], k_seg_ready.at[owner], q_seg_smem)
@@ -510,9 +532,11 @@ def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geome
     if segments:  # the keys' own ids; the query blocks' ids beside q
         scratch += [plgpu.SMEM((owners, own_rows), jnp.int32), plgpu.Barrier(num_barriers=owners),
                     plgpu.SMEM((stages, bq), jnp.int32), plgpu.Barrier(num_barriers=stages)]
-    out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    kernel = _kernel(body, out_type=[out, out], scratch=scratch, grid=(n_tiles, hkv, b),
+    out = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * (2 * parts)
+    kernel = _kernel(body, out_type=out, scratch=scratch, grid=(n_tiles, hkv, b),
                      interpret=interpret)
     with jax.named_scope(f"flash_dkv_mosaic_block_q={bq}_block_kv={bkv}"):
-        dk, dv = kernel(q, k, v, do, lse, delta, *((q_seg, kv_seg) if segments else ()))
-    return dk, dv
+        grads = kernel(q, k, v, do, lse, delta, *((q_seg, kv_seg) if segments else ()))
+    if parts == 1:
+        return tuple(grads)
+    return grads[:parts], grads[parts:]

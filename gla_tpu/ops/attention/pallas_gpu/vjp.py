@@ -47,16 +47,23 @@ def _attention_bwd(geo, sizes, tiles, interpret, residuals, do):
     # delta_i = sum_d o_id do_id, [B, H, Tp]: one fused elementwise pass, left to XLA
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     if tiles.backward is not None:
-        common = dict(geo=geo, tiles=tiles.backward, interpret=interpret)
-        dq = kernels_mosaic_backward.backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg,
-                                                 **common)
-        if interpret:  # two GPU-interpreted kernels run side by side can deadlock: order them
-            dq, q, k, v, do, lse, delta = lax.optimization_barrier((dq, q, k, v, do, lse, delta))
-        dk, dv = kernels_mosaic_backward.backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg,
-                                                      **common)
-        return dq, dk, dv, None, None
-    dq, dk, dv = gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, sizes, interpret)
+        dq, dk, dv = mosaic_gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo,
+                                      tiles.backward, interpret)
+    else:
+        dq, dk, dv = gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, sizes, interpret)
     return dq, dk, dv, None, None
+
+
+def mosaic_gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, tiles, interpret, parts=1):
+    """(dq, dk, dv) from the Mosaic GPU dq and dk/dv kernels (`tiles`: plan.BackwardTiles), in
+    the inputs' dtype; parts = 2: each a [hi, lo] pair (kernels_mosaic_backward)."""
+    common = dict(geo=geo, tiles=tiles, interpret=interpret, parts=parts)
+    dq = kernels_mosaic_backward.backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, **common)
+    if interpret:  # two GPU-interpreted kernels run side by side can deadlock: order them
+        dq, q, k, v, do, lse, delta = lax.optimization_barrier((dq, q, k, v, do, lse, delta))
+    dk, dv = kernels_mosaic_backward.backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg,
+                                                  **common)
+    return dq, dk, dv
 
 
 def gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo, sizes, interpret, out_dtype=None):
