@@ -102,15 +102,16 @@ def test_persistent_forward_interpret_parity(case, tiles, dtype):
 # Both Mosaic GPU sides on q, k, v as they come (BlockSizes.mosaic_unpadded; T and S multiples of
 # 8): the TMA copies read zeros past T and S and drop the rows past them on the way out (the GPU
 # interpreter does the same).
-# Causal only, as the backward's interpret cases (non-causal ones deadlock the interpreter).
-@pytest.mark.parametrize("case,dtype", [
-    (AttentionCase(2, 200, 136, 4, 2, 64, causal=True), BF16),  # T > S: rows that see no key
-    (AttentionCase(1, 136, 200, 2, 1, 256, causal=True, segments="pair"), F16),
+# Causal only, as the backward's interpret cases (non-causal ones deadlock the interpreter). The
+# persistent forward (the default) in the first case, on 3 blocks.
+@pytest.mark.parametrize("case,dtype,persistent", [
+    (AttentionCase(2, 200, 136, 4, 2, 64, causal=True), BF16, True),  # T > S: rows with no key
+    (AttentionCase(1, 136, 200, 2, 1, 256, causal=True, segments="pair"), F16, False),
     pytest.param(AttentionCase(1, 328, 328, 2, 1, 64, causal=True, window=(90, 0), soft_cap=2.0),
-                 BF16, marks=FULL),
+                 BF16, False, marks=FULL),
 ], ids=str)
-def test_unpadded_mosaic_interpret_parity(case, dtype):
-    forward = ForwardTiles(64, 64, 2)
+def test_unpadded_mosaic_interpret_parity(case, dtype, persistent):
+    forward = ForwardTiles(64, 64, 2, persistent=persistent, ctas=3 if persistent else None)
     backward = BackwardTiles(64, 32, 2) if case.head_dim == 256 else BackwardTiles(64, 64, 2)
     sizes = dataclasses.replace(MOSAIC, backward_kernel="mosaic_gpu", mosaic_forward=forward,
                                 mosaic_backward=backward, mosaic_unpadded=True)
@@ -467,10 +468,14 @@ def test_auto_takes_mosaic_on_hopper_only(monkeypatch):
     assert plan.mosaic_forward_tiles(_problem(segments=True), sizes, False) is not None
     triton = BlockSizes(forward_kernel="triton")
     assert plan.mosaic_forward_tiles(_problem(), triton, False) is None
-    # short sequences at head dim 128: "auto" takes Triton, "mosaic_gpu" still insists
-    assert plan.mosaic_forward_tiles(_problem(length=1024), sizes, False) is None
-    assert plan.mosaic_forward_tiles(_problem(64, length=1024), sizes, False) is not None
-    forced = BlockSizes(forward_kernel="mosaic_gpu")
+    # short sequences at head dim 128: "auto" takes the persistent Mosaic GPU forward (the
+    # default tiles), Triton in place of the per-tile one; "mosaic_gpu" still insists
+    assert sizes.mosaic_forward.persistent
+    assert plan.mosaic_forward_tiles(_problem(length=1024), sizes, False) == sizes.mosaic_forward
+    per_tile = BlockSizes(mosaic_forward=ForwardTiles())
+    assert plan.mosaic_forward_tiles(_problem(length=1024), per_tile, False) is None
+    assert plan.mosaic_forward_tiles(_problem(64, length=1024), per_tile, False) is not None
+    forced = BlockSizes(forward_kernel="mosaic_gpu", mosaic_forward=ForwardTiles())
     assert plan.mosaic_forward_tiles(_problem(length=1024), forced, False) is not None
     monkeypatch.setattr(backends, "is_hopper", lambda: False)
     assert plan.mosaic_forward_tiles(_problem(), sizes, False) is None
@@ -583,13 +588,14 @@ def test_gpu_unpadded_mosaic_equals_padded(case):
                                   AttentionCase(1, 700, 1000, 4, 4, 128, causal=False),
                                   AttentionCase(1, 1000, 600, 2, 1, 128, causal=True)], ids=str)
 def test_gpu_parity_auto_at_short_lengths(case):
-    """What "auto" runs at head dim 128 with T, S <= 1024: the Triton forward, and on Hopper the
-    Mosaic GPU backward reading its lse (T > S: rows that see no key)."""
+    """What "auto" runs at head dim 128 with T, S <= 1024: on Hopper the persistent Mosaic GPU
+    forward and the Mosaic GPU backward (T > S: rows that see no key; T = 700: padded)."""
     sizes = default_block_sizes(case.head_dim, jnp.bfloat16)
     problem, _, _ = validate_attention(*(jnp.ones((1, n, 1, 128), jnp.bfloat16)
                                          for n in (case.q_len, case.kv_len, case.kv_len)),
                                        causal=case.causal, sm_scale=None, segment_ids=None)
-    assert plan.mosaic_forward_tiles(problem, sizes, False) is None
+    expected = sizes.mosaic_forward if backends.is_hopper() else None
+    assert plan.mosaic_forward_tiles(problem, sizes, False) == expected
     check_attention_parity(case, jax.random.key(7), dtype=jnp.bfloat16, backend="pallas_gpu",
                            block_sizes=sizes)
 

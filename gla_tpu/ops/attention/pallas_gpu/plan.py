@@ -225,8 +225,9 @@ class BlockSizes:
     """Tiles of the three kernels (performance only). Every block is a power of two >= 16.
 
     `forward_kernel` picks the forward: "auto" takes the Mosaic GPU kernel on Hopper where it
-    applies (head dim 64 / 128 / 256, bfloat16 / float16) and is the faster one
-    (not at head dim 128 with T and S <= 1024), Triton elsewhere;
+    applies (head dim 64 / 128 / 256, bfloat16 / float16) and is the faster one (the persistent
+    kernel, the default tiles, everywhere; the per-tile kernel not at head dim 128 with T and
+    S <= 1024), Triton elsewhere;
     "mosaic_gpu" insists on it (NotImplementedError where it does not apply), "triton" never uses it.
     `mosaic_forward` holds its tiles. `backward_kernel` and `mosaic_backward` do the same for the
     backward's dq and dk/dv kernels (the Mosaic GPU pair takes head dim 64 / 128 / 256).
@@ -244,13 +245,13 @@ class BlockSizes:
     num_stages: int = 3
     num_stages_bwd: int = 2
     forward_kernel: str = "auto"
-    mosaic_forward: ForwardTiles = ForwardTiles()
+    mosaic_forward: ForwardTiles = ForwardTiles(persistent=True)
     backward_kernel: str = "auto"
     mosaic_backward: BackwardTiles = BackwardTiles()
     # where the forward and the backward are both Mosaic GPU kernels, hand them q, k, v as they
     # come, without padding T and S to the tiles: the TMA loads past an array's end read zeros
-    # and its stores past the end are dropped (off by default until timed on a GPU)
-    mosaic_unpadded: bool = False
+    # and its stores past the end are dropped (T and S multiples of 8)
+    mosaic_unpadded: bool = True
 
     def __post_init__(self):
         if not isinstance(self.mosaic_unpadded, bool):
@@ -303,7 +304,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
         # second copy of k), dk/dv splits its consumers' roles over 64-key tiles (193 KiB)
         sizes = BlockSizes(64, 32, 64, 32, 32, 64, num_warps=8, num_warps_dq=8,
                            num_warps_dkv=8, num_stages=2, num_stages_bwd=1,
-                           mosaic_forward=ForwardTiles(64, 64, 2),
+                           mosaic_forward=ForwardTiles(64, 64, 2, persistent=True),
                            mosaic_backward=BackwardTiles(64, 32, 2))
     if wide:
         sizes = dataclasses.replace(
@@ -313,11 +314,13 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     return sizes
 
 
-# "auto" leaves short sequences at head dim 128 to the Triton forward, faster there on an H100
-# (2026-11-23, docs/results/history.md): T = S = 512 full 0.228 against 0.246 ms;
-# T = S = 1024 full 0.370 against 0.432, causal 0.262 against 0.269; from T = S = 2048 on the
-# Mosaic one wins (0.275 against 0.336 full). Not measured at other head dims, which keep the
-# Mosaic forward.
+# With per-tile Mosaic GPU tiles (ForwardTiles(persistent=False)), "auto" leaves short sequences
+# at head dim 128 to the Triton forward, faster there on an H100 (2026-11-23,
+# docs/results/history.md): T = S = 512 full 0.228 against 0.246 ms; T = S = 1024 full 0.370
+# against 0.432, causal 0.262 against 0.269; from T = S = 2048 on the Mosaic one wins (0.275
+# against 0.336 full). The persistent forward beats both there (H200, 2026-11-29: T = 1024
+# causal 0.159 ms against Triton's 0.260, full 0.259 against 0.363; T = 512 full 0.145 against
+# 0.224), so with it "auto" takes Mosaic GPU at every length.
 AUTO_TRITON_FORWARD_MAX_LEN = 1024
 AUTO_TRITON_FORWARD_HEAD_DIM = 128
 
@@ -329,9 +332,10 @@ def _auto_prefers_triton_forward(problem) -> bool:
 
 def mosaic_forward_tiles(problem, sizes: BlockSizes, interpret: bool) -> ForwardTiles | None:
     """The Mosaic GPU forward's tiles when it runs this problem, None when Triton does
-    (backends.mosaic_gpu_selected: "auto" on a Hopper GPU outside interpret mode, except at head
-    dim 128 with T and S <= 1024; "mosaic_gpu" anywhere it applies)."""
-    if sizes.forward_kernel == "auto" and _auto_prefers_triton_forward(problem):
+    (backends.mosaic_gpu_selected: "auto" on a Hopper GPU outside interpret mode, except, with
+    per-tile tiles, at head dim 128 with T and S <= 1024; "mosaic_gpu" anywhere it applies)."""
+    if (sizes.forward_kernel == "auto" and not sizes.mosaic_forward.persistent
+            and _auto_prefers_triton_forward(problem)):
         return None
     reason = mosaic_forward_unsupported_reason(problem.head_dim, problem.dtype,
                                                problem.has_segments)
