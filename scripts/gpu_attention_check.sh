@@ -6,8 +6,9 @@
 #   bash scripts/gpu_attention_check.sh tests          # the pallas_gpu attention GPU tests
 #   bash scripts/gpu_attention_check.sh window         # bench part attention_window
 #   bash scripts/gpu_attention_check.sh tests,window   # both (about 8 minutes)
-#   bash scripts/gpu_attention_check.sh persistent     # the persistent forward beside the
-#       per-tile one, cuDNN and jla, forward only, at SHAPES (ATTENTION_SHAPES indices)
+#   bash scripts/gpu_attention_check.sh persistent     # the persistent forward (the default)
+#       beside the per-tile one (VARIANTS: BlockSizes variants, bench/gpu_side_by_side.py's
+#       --attention-sizes), cuDNN and jla, forward only, at SHAPES (ATTENTION_SHAPES indices)
 #   bash scripts/gpu_attention_check.sh unpadded       # ragged T (4000) without the pad copies
 #       (BlockSizes.mosaic_unpadded) beside the padded call and cuDNN, fwd and fwd+bwd
 set -uo pipefail
@@ -30,7 +31,7 @@ fi
 if [[ ",$parts," == *",persistent,"* ]]; then
   step persistent "${PERSISTENT_LIMIT:-300}" python3 bench/gpu_side_by_side.py --part attention \
     --attention-shapes "${SHAPES:-9,8,15,1,0}" --modes fwd --out "$work" --tag attention_persistent \
-    --attention-sizes "forward_kernel=mosaic_gpu;forward_kernel=mosaic_gpu,mosaic_forward=64x128x2p"
+    --attention-sizes "${VARIANTS:-forward_kernel=mosaic_gpu,mosaic_forward=64x128x2}"
 fi
 if [[ ",$parts," == *",unpadded,"* ]]; then
   step unpadded "${UNPADDED_LIMIT:-240}" python3 bench/gpu_side_by_side.py --part attention \
