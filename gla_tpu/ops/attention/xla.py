@@ -1,4 +1,5 @@
-"""The "xla" attention backend: plain JAX, differentiable by autodiff, float32 softmax statistics.
+"""The "xla" attention backend: plain JAX, differentiable by autodiff, float32 softmax statistics
+(float64 for float64 inputs).
 
 The [T, S] score matrix is built per (batch, head); this backend favours clarity and serves as the
 same-dtype baseline of the pass rule and as the fallback of "auto".
@@ -16,7 +17,7 @@ CAPABILITIES = Capabilities(
     op="flash_attention", backend="xla", platform="any (plain JAX)",
     dtypes=("bfloat16", "float16", "float32", "float64"), dims=(("head_dim", ANY_DIM),),
     features=ATTENTION_FEATURES,
-    notes="[T, S] scores per (batch, head), float32 softmax statistics; autodiff",
+    notes="[T, S] scores per (batch, head), float32 softmax statistics (float64 for float64 inputs); autodiff",
 )
 
 
@@ -40,14 +41,21 @@ def visibility_mask(problem, q_segment_ids, kv_segment_ids):
     return mask[:, None, None]
 
 
+def _accumulator(dtype):
+    """The products' and statistics' dtype: float32, or float64 for float64 inputs (a float64
+    product with a float32 result is what cuBLAS refuses, and it would round the reference)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _scores(q, k, problem, q_segment_ids, kv_segment_ids):
-    """Masked logits s [B, Hkv, G, T, S] float32 (-inf where hidden; soft-capped where the
-    problem has a cap), the mask, and the cap's derivative ds/ds_raw (None without a cap)."""
+    """Masked logits s [B, Hkv, G, T, S] in _accumulator(q.dtype) (-inf where hidden;
+    soft-capped where the problem has a cap), the mask, and the cap's derivative ds/ds_raw (None
+    without a cap)."""
     b, t, h, d = q.shape
     hkv = problem.num_kv_heads
     # Grouped queries attend to their kv head without materializing repeated k/v.
     qg = q.reshape(b, t, hkv, h // hkv, d)
-    s = jnp.einsum("btngd,bsnd->bngts", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("btngd,bsnd->bngts", qg, k, preferred_element_type=_accumulator(q.dtype))
     s = s * problem.sm_scale
     cap_grad = None
     if problem.logits_soft_cap is not None:
@@ -60,8 +68,10 @@ def _scores(q, k, problem, q_segment_ids, kv_segment_ids):
 
 
 def _weighted_values(p, v, shape):
-    """sum_s p[..., t, s] v[s]: [B, Hkv, G, T, S] x [B, S, Hkv, D] -> [B, T, H, D] float32."""
-    o = jnp.einsum("bngts,bsnd->btngd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    """sum_s p[..., t, s] v[s]: [B, Hkv, G, T, S] x [B, S, Hkv, D] -> [B, T, H, D] in
+    _accumulator(v.dtype)."""
+    o = jnp.einsum("bngts,bsnd->btngd", p.astype(v.dtype), v,
+                   preferred_element_type=_accumulator(v.dtype))
     return o.reshape(shape)
 
 
@@ -94,8 +104,9 @@ def attention_block(q, k, v, *, problem, q_segment_ids, kv_segment_ids, block_si
     """Attention of q over one block of keys, with its log-sum-exp.
 
     Returns:
-      o: [B, T, H, D] float32, normalized over this block's keys (0 for a row that sees none).
-      lse: [B, H, T] float32, natural log; -inf for a row that sees no key of the block.
+      o: [B, T, H, D] float32 (float64 for float64 inputs), normalized over this block's keys
+        (0 for a row that sees none).
+      lse: [B, H, T], as o's dtype, natural log; -inf for a row that sees no key of the block.
     """
     del block_sizes, interpret
     b, t, h, _ = q.shape
@@ -116,7 +127,8 @@ def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv
         anywhere, and gets zero gradients).
       delta: [B, H, T] float32, rowsum(o * do) of the whole attention.
     Returns:
-      dq [B, T, H, D], dk, dv [B, S, Hkv, D], float32: this block's terms of the gradients.
+      dq [B, T, H, D], dk, dv [B, S, Hkv, D], float32 (float64 for float64 inputs): this
+        block's terms of the gradients.
     """
     del block_sizes, interpret
     b, t, h, d = q.shape
@@ -127,13 +139,14 @@ def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv
         lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf).reshape(b, hkv, group, t, 1)
         p = jnp.where(mask, jnp.exp(s - lse), 0.0)  # [B, Hkv, G, T, S]
         dog = do.reshape(b, t, hkv, group, d)
-        dp = jnp.einsum("btngd,bsnd->bngts", dog, v, preferred_element_type=jnp.float32)
+        acc = _accumulator(q.dtype)
+        dp = jnp.einsum("btngd,bsnd->bngts", dog, v, preferred_element_type=acc)
         ds = p * (dp - delta.reshape(b, hkv, group, t, 1)) * problem.sm_scale
         if cap_grad is not None:
             ds = ds * cap_grad
         dv = jnp.einsum("bngts,btngd->bsnd", p.astype(do.dtype), dog,
-                        preferred_element_type=jnp.float32)
+                        preferred_element_type=acc)
         dq = _weighted_values(ds, k, (b, t, h, d))
         dk = jnp.einsum("bngts,btngd->bsnd", ds.astype(q.dtype), q.reshape(b, t, hkv, group, d),
-                        preferred_element_type=jnp.float32)
+                        preferred_element_type=acc)
     return dq, dk, dv
