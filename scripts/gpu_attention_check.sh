@@ -3,9 +3,9 @@
 # backend, then local-window attention against cuDNN. Results go into $OUT/attention_check.tgz
 # and its summary $OUT/attention_check.txt; each step has its own time limit.
 #
-#   bash scripts/gpu_attention_check.sh tests          # the pallas_gpu attention GPU tests
+#   bash scripts/gpu_attention_check.sh tests          # the pallas_gpu attention GPU tests (6 min)
 #   bash scripts/gpu_attention_check.sh window         # bench part attention_window
-#   bash scripts/gpu_attention_check.sh tests,window   # both (about 8 minutes)
+#   bash scripts/gpu_attention_check.sh tests,window   # both (about 9 minutes)
 #   bash scripts/gpu_attention_check.sh persistent     # the persistent forward (the default)
 #       beside the per-tile one (VARIANTS: BlockSizes variants, bench/gpu_side_by_side.py's
 #       --attention-sizes), cuDNN and jla, forward only, at SHAPES (ATTENTION_SHAPES indices)
@@ -19,7 +19,7 @@ source scripts/_gpu_check.sh
 gpu_check_setup attention_check "$([[ ",$parts," == *",persistent,"* ]] && echo peers)"
 
 if [[ ",$parts," == *",tests,"* ]]; then
-  step tests "${TESTS_LIMIT:-330}" python3 -m pytest tests/backends/test_pallas_gpu_attention.py \
+  step tests "${TESTS_LIMIT:-450}" python3 -m pytest tests/backends/test_pallas_gpu_attention.py \
     -m gpu -p no:benchmark -q -n 4 ${TESTS_K:+-k "$TESTS_K"}
   tail -n 3 "$work/tests.log" >> "$summary"
   grep -E "^(FAILED|ERROR)" "$work/tests.log" | head -20 >> "$summary"
