@@ -321,3 +321,55 @@ def test_decode_kernel_lowers_to_triton(tokens, key_dim, value_dim, dtype, initi
 def test_gpu_decode_kernel_parity(tokens, dtype, tol, strength):
     _check(jax.random.key(tokens + int(10 * strength)), 4, tokens, 4, 128, 128, dtype=dtype,
            strength=strength, initial_state=True, interpret=False, tol=tol)
+
+
+# Context parallelism's two states-only passes on the pair-level kernels (ops/gla/
+# context_parallel.py), against the closed forms they replace. In GPU interpret mode outside
+# shard_map: the Mosaic GPU interpreter does not run under it (docs/scale_out.md), so the sharded
+# composition itself is tested with the closed forms (tests/ops/test_sharding.py).
+@pytest.mark.parametrize("gate,segments,splits", [("key", True, 1), ("head", False, 2),
+                                                  ("none", True, 2)])
+def test_context_parallel_states_passes_match_the_closed_forms(gate, segments, splits):
+    from gla_tpu.ops.gla import context_parallel
+    from gla_tpu.ops.gla.pallas_gpu import entry
+    from gla_tpu.ops.gla.validation import validate_gla
+
+    b, t, h, kd, vd = 2, 200, 2, 64, 128
+    keys = jax.random.split(jax.random.key(11), 6)
+    q, k = (jax.random.normal(x, (b, t, h, kd)).astype(jnp.bfloat16) for x in keys[:2])
+    v, do = (jax.random.normal(x, (b, t, h, vd)).astype(jnp.bfloat16) for x in keys[2:4])
+    g = None if gate == "none" else jax.nn.log_sigmoid(
+        jax.random.normal(keys[4], (b, t, h, kd) if gate == "key" else (b, t, h)))
+    seg = (jnp.cumsum(jax.random.bernoulli(keys[5], 0.02, (b, t)), axis=1) if segments
+           else None)
+    problem, _, seg = validate_gla(q, k, v, g, scale=None, initial_state=None,
+                                   output_final_state=False, segment_ids=seg, mode="chunk",
+                                   chunk_size=None)
+    options = dict(problem=problem.with_chunk_size(64), segment_ids=seg, interpret=True,
+                   block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=splits))
+    state = entry.block_zero_state(k, v, g, **options)
+    entering = entry.block_entering_cotangent(q, do, g, **options)
+    want_state = context_parallel.zero_state_of_block(k, v, g, seg)[0]
+    want_entering = context_parallel.entering_cotangent_of_block(q, do, g, seg, problem.scale)
+    assert relative_rms_error(state, want_state) < 3e-3
+    assert relative_rms_error(entering, want_entering) < 3e-3
+
+
+def test_context_parallel_states_passes_lower_to_mosaic_gpu_kernels():
+    """Each pass is prep and one states-only state pass through Mosaic GPU's lowering for CUDA,
+    no Triton kernel (B2 T4096 H4 K=V=128, T split in two)."""
+    from gla_tpu.ops.gla.pallas_gpu import entry
+    from gla_tpu.ops.gla.validation import validate_gla
+
+    x = jax.ShapeDtypeStruct((2, 4096, 4, 128), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((2, 4096, 4, 128), jnp.float32)
+    problem, _, _ = validate_gla(x, x, x, g, scale=None, initial_state=None,
+                                 output_final_state=False, segment_ids=None, mode="chunk",
+                                 chunk_size=None)
+    options = dict(problem=problem.with_chunk_size(64), segment_ids=None, interpret=False,
+                   block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=2))
+    for fn in (entry.block_zero_state, entry.block_entering_cotangent):
+        text = jax.jit(functools.partial(fn, **options)).trace(x, x, g).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 2, fn.__name__
+        assert text.count("xla.gpu.triton") == 0

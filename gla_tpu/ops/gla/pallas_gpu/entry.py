@@ -10,6 +10,8 @@ the segment masks in XLA; vjp.py wires the kernels, plan.py holds the tiles.
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
 
@@ -84,7 +86,23 @@ def reset_at_segment_starts(gates, start):
     return jnp.where(start > 0, RESET_LOG_GATE, gates)
 
 
-def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
+class _Prepared(typing.NamedTuple):
+    """The inputs padded (T to the chunk or the few-token block, K and V to the kernels' dims)
+    and the path's choices; for the pair-level path also grouped and reset (`pair_level`)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    gates: jax.Array
+    s0: jax.Array | None
+    seg: tuple | None  # (seg, reach, last, keep, start), the Triton kernels' segment masks
+    geo: object
+    few_tokens: bool
+    pair_level: bool
+    per_head: bool
+
+
+def _prepare(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     kp, vp = padded_dim(kd), padded_dim(vd)
@@ -100,10 +118,11 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
     s0 = None
     if initial_state is not None:
         s0 = jnp.pad(initial_state, [(0, 0), (0, 0), (0, kp - kd), (0, vp - vd)])
-    seg = reach = last = keep = start = None
+    masks = start = None
     if segment_ids is not None:
         seg = pad_segment_index(segment_index(segment_ids), CHUNK)
-        reach, last, keep, start = segment_masks(seg, CHUNK)
+        masks = (seg, *segment_masks(seg, CHUNK))
+        start = masks[-1]
     block_sizes = block_sizes or BlockSizes()
     per_head = g is None or g.ndim == 3
     use_mosaic = not few_tokens and mosaic_forward(
@@ -118,31 +137,69 @@ def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpr
                          exact_inter=problem.mode == "fused_recurrent", per_head=per_head,
                          mosaic_forward=use_mosaic, mosaic_chunk=use_mosaic_chunk, batch=b,
                          heads=h, block_sizes=block_sizes)
+    if use_mosaic_chunk:
+        if start is not None:
+            gp = reset_at_segment_starts(gp, start)
+        qp, kp_, gp, vpad = (pad_time(x, CHUNK * geo.mosaic_splits)
+                             for x in (qp, kp_, gp, vpad))
+        # groups of keys as virtual heads [B, Tp, H * G, K / G] (zero-copy reshapes); a
+        # per-head gate is every group's
+        heads, keys = h * geo.key_groups, kp // geo.key_groups
+        qp, kp_ = (x.reshape(*x.shape[:2], heads, keys) for x in (qp, kp_))
+        gp = (jnp.repeat(gp, geo.key_groups, axis=2) if per_head
+              else gp.reshape(*gp.shape[:2], heads, keys))
+        s0 = None if s0 is None else s0.reshape(b, heads, keys, vp)
+    return _Prepared(qp, kp_, vpad, gp, s0, masks, geo, few_tokens, use_mosaic_chunk, per_head)
+
+
+def gla(q, k, v, g, *, problem, initial_state, segment_ids, block_sizes, interpret):
+    b, t, h, kd = q.shape
+    vd = v.shape[-1]
+    x = _prepare(q, k, v, g, problem=problem, initial_state=initial_state,
+                 segment_ids=segment_ids, block_sizes=block_sizes, interpret=interpret)
     with jax.named_scope(f"gla_pallas_gpu_{problem.mode}"):
-        if use_mosaic_chunk:
-            if start is not None:
-                gp = reset_at_segment_starts(gp, start)
-            qp, kp_, gp, vpad = (pad_time(x, CHUNK * geo.mosaic_splits)
-                                 for x in (qp, kp_, gp, vpad))
-            # groups of keys as virtual heads [B, Tp, H * G, K / G] (zero-copy reshapes); a
-            # per-head gate is every group's
-            heads, keys = h * geo.key_groups, kp // geo.key_groups
-            qp, kp_ = (x.reshape(*x.shape[:2], heads, keys) for x in (qp, kp_))
-            gp = (jnp.repeat(gp, geo.key_groups, axis=2) if per_head
-                  else gp.reshape(*gp.shape[:2], heads, keys))
-            s0 = None if s0 is None else s0.reshape(b, heads, keys, vp)
-            o, final = vjp.mosaic_chunked(qp, kp_, vpad, gp, s0, geo, bool(interpret))
-            final = final.reshape(b, h, kp, vp)
+        if x.pair_level:
+            o, final = vjp.mosaic_chunked(x.q, x.k, x.v, x.gates, x.s0, x.geo, bool(interpret))
+            final = final.reshape(b, h, -1, final.shape[-1])
         else:
-            if per_head:  # zero log gates past K, as for per-key gates
-                gp = pad_last(jnp.broadcast_to(gp[..., None], qp.shape[:3] + (kd,)), kp)
-            if few_tokens:
-                o, final = vjp.few_tokens(qp, kp_, vpad, gp, s0, geo, bool(interpret))
+            gp = x.gates
+            if x.per_head:  # zero log gates past K, as for per-key gates
+                gp = pad_last(jnp.broadcast_to(gp[..., None], x.q.shape[:3] + (kd,)),
+                              x.q.shape[-1])
+            if x.few_tokens:
+                o, final = vjp.few_tokens(x.q, x.k, x.v, gp, x.s0, x.geo, bool(interpret))
             else:
-                o, final = vjp.chunked(qp, kp_, vpad, gp, s0, seg, reach, last, keep, start,
-                                       geo, bool(interpret))
+                o, final = vjp.chunked(x.q, x.k, x.v, gp, x.s0, *(x.seg or (None,) * 5),
+                                       x.geo, bool(interpret))
     o = o[:, :t, :, :vd]
     final = final[:, :, :kd, :vd] if problem.output_final_state else None
     return o, final
 
 
+# Context parallelism's two states-only passes (ops/gla/context_parallel.py), where the
+# pair-level kernels run the problem; None elsewhere (the caller's closed forms then).
+
+
+def block_zero_state(k, v, g, *, problem, segment_ids, block_sizes, interpret):
+    """S [B, H, K, V] float32: the block's last state from a zero state (segment ids reset it),
+    by a states-only pass of the pair-level kernels; None where they do not run this problem."""
+    x = _prepare(k, k, v, g, problem=problem, initial_state=None, segment_ids=segment_ids,
+                 block_sizes=block_sizes, interpret=interpret)
+    if not x.pair_level:
+        return None
+    state = vjp.mosaic_last_state(x.k, x.k, x.v, x.gates, x.geo, bool(interpret), reverse=False)
+    b, _, h, kd = k.shape
+    return state.reshape(b, h, -1, state.shape[-1])[:, :, :kd, :v.shape[-1]]
+
+
+def block_entering_cotangent(q, do, g, *, problem, segment_ids, block_sizes, interpret):
+    """D [B, H, K, V] float32: the cotangent of the state entering the block from its outputs'
+    cotangent `do` [B, T, H, V], by a reversed states-only pass of the pair-level kernels; None
+    where they do not run this problem."""
+    x = _prepare(q, q, do.astype(q.dtype), g, problem=problem, initial_state=None,
+                 segment_ids=segment_ids, block_sizes=block_sizes, interpret=interpret)
+    if not x.pair_level:
+        return None
+    state = vjp.mosaic_last_state(x.q, x.q, x.v, x.gates, x.geo, bool(interpret), reverse=True)
+    b, _, h, kd = q.shape
+    return state.reshape(b, h, -1, state.shape[-1])[:, :, :kd, :do.shape[-1]]

@@ -151,6 +151,34 @@ def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, h_first=None, p, sp
     return [time_split.unfold(out, splits) for out in outs] + [final, s_in]
 
 
+def mosaic_last_state(q, k, y, g, geo, interpret, *, reverse: bool):
+    """The last state of a states-only pass from zero, by the pair-level kernels (prep, then
+    kernels_mosaic_state.state_pass without outputs), on inputs padded and grouped as for
+    `mosaic_chunked`. Forward over (k decayed, y = v): the block's own final state
+    S = sum_t exp(gates after t) k_t^T v_t; reversed over (q decayed and scaled, y = do): the
+    cotangent of the state entering the block from its outputs, sum_t scale exp(gates through
+    t) q_t^T do_t (context parallelism's two passes, ops/gla/context_parallel.py). T splits as
+    the state passes do (geo.mosaic_splits), the segments joined in XLA. Returns
+    [B, H * G, K / G, V] float32."""
+    _, qd, kd, last = kernels_mosaic_levels.prep(q, k, g, scale=geo.scale, interpret=interpret)
+    x = qd if reverse else kd
+    p = dataclasses.replace(_configured(_REVERSED if reverse else _INFERENCE, geo),
+                            outputs=False, store_parts=0, state_term=False)
+    splits = geo.mosaic_splits
+    if splits == 1:
+        return kernels_mosaic_state.state_pass(x, y, last, None, p=p, interpret=interpret)[-1]
+    split = functools.partial(time_split.fold, splits=splits)
+    local = kernels_mosaic_state.state_pass(split(x), split(y), split(last), None, p=p,
+                                            interpret=interpret)[-1]
+    bsz, n, h, kd_ = last.shape
+    decay = jnp.exp(jnp.sum(last.reshape(bsz, splits, n // splits, h, kd_), axis=2))
+    local = local.reshape(bsz, splits, *local.shape[1:])
+    state = jnp.zeros(local.shape[:1] + local.shape[2:], jnp.float32)
+    for s in (reversed(range(splits)) if reverse else range(splits)):
+        state = decay[:, s, ..., None] * state + local[:, s]
+    return state
+
+
 def _configured(p, geo):
     """The state pass `p` as geo asks: its key groups, their partial sums, its value tile, the
     parts of h the training pass stores and the state term reads, the parts of the state its
