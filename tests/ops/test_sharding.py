@@ -305,10 +305,44 @@ def test_context_parallel_gla_fused_recurrent_xla():
                segments=_boundary_segments())
 
 
-def test_context_parallel_gla_moves_states_not_tokens():
+@pytest.fixture
+def closed_form_passes(monkeypatch):
+    """The xla backend with context parallelism's two states-only passes (which pallas_gpu's
+    pair-level kernels have, and the GPU interpreter cannot run under shard_map) in closed form:
+    the sharded call then takes the path of the backward's own rule."""
+    from gla_tpu.ops.gla import context_parallel
+    from gla_tpu.ops.gla import xla as gla_xla
+
+    def zero_state(k, v, g, *, segment_ids, **_):
+        return context_parallel.zero_state_of_block(k, v, g, segment_ids)[0]
+
+    def entering_cotangent(q, do, g, *, problem, segment_ids, **_):
+        return context_parallel.entering_cotangent_of_block(q, do, g, segment_ids,
+                                                            problem.scale)
+
+    monkeypatch.setattr(gla_xla, "block_zero_state", zero_state, raising=False)
+    monkeypatch.setattr(gla_xla, "block_entering_cotangent", entering_cotangent, raising=False)
+
+
+@pytest.mark.parametrize("layout, gate", [("8-time", "key"), ("2x4-batch-time", "head"),
+                                          ("4x2-time-heads", "none")])
+def test_context_parallel_gla_with_states_passes(closed_form_passes, layout, gate):
+    """The backward's own rule (D_p, its all-gather, the reverse scan, the op's backward from
+    the leaving state's cotangent): initial and final states, segment starts at and inside
+    block boundaries, every gradient, against the unsharded call."""
+    shape, names, spec = CP_LAYOUTS[layout]
+    _check_gla(NamedSharding(_mesh(shape, names), spec), "xla", gate=gate,
+               segments=_boundary_segments() if gate != "none" else None)
+
+
+@pytest.mark.parametrize("passes", [False, True], ids=["derivative", "states_passes"])
+def test_context_parallel_gla_moves_states_not_tokens(request, passes):
     """Forward+backward over 8 time shards: the collectives carry the blocks' states and decays
-    ([P, B, H, K, V] and [P, B, H, K] float32, gathered forward and reduce-scattered backward),
-    nothing of length T."""
+    ([P, B, H, K, V] and [P, B, H, K] float32, gathered forward; reduce-scattered backward, or
+    with the states-only passes the entering states' cotangents gathered and the final state's
+    summed), nothing of length T."""
+    if passes:
+        request.getfixturevalue("closed_form_passes")
     sharding = NamedSharding(_mesh((8,), ("x",)), P(None, "x"))
     t, kd = 256, 64
     x = _normal(0, (B, t, H, kd))
@@ -322,7 +356,7 @@ def test_context_parallel_gla_moves_states_not_tokens():
                         r"collective-permute|all-to-all)(?:-start)?\(", text)
     assert shapes, "expected the state all-gather"
     elements = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
-    assert sum(elements) <= 2 * 8 * B * H * (kd * kd + kd)
+    assert sum(elements) <= 2 * 8 * B * H * (kd * kd + kd) + passes * B * H * kd * kd
     assert all(t not in map(int, filter(None, s.split(","))) for s in shapes)
 
 
@@ -461,6 +495,7 @@ EAGER = {
     "gla-2-time-T64": ("gla", ((2,), ("x",), P(None, "x"))),
     "attention-2x4-batch-time": ("attention", CP_LAYOUTS["2x4-batch-time"]),
     "attention-8-heads": ("attention", LAYOUTS["8-heads"]),
+    "gla-passes-2-time-T64": ("gla", ((2,), ("x",), P(None, "x"))),
     "delta_rule-2-time-T64": ("delta_rule", ((2,), ("x",), P(None, "x"))),
     "delta_rule-8-time": ("delta_rule", ((8,), ("x",), P(None, "x"))),
     "delta_rule-2x4-batch-heads": ("delta_rule", LAYOUTS["2x4-batch-heads"]),
@@ -473,8 +508,10 @@ EAGER_FULL_ONLY = ("gla-8-time", "attention-8-heads", "delta_rule-8-time",
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.full if n in EAGER_FULL_ONLY else ()) for n in EAGER])
-def test_eager_sharded_calls_match_jitted(name):
+def test_eager_sharded_calls_match_jitted(request, name):
     op, (shape, names, spec) = EAGER[name]
+    if "-passes-" in name:  # context-parallel GLA with the backward's own rule
+        request.getfixturevalue("closed_form_passes")
     sharding = NamedSharding(_mesh(shape, names), spec)
     # the shape the crash was first seen at on 8 devices; B2 H4 (the smallest the (2, 4) meshes
     # divide) elsewhere
@@ -636,10 +673,14 @@ def test_context_parallel_gla_on_an_explicit_mesh():
     _assert_trees_close(got, want)
 
 
-def test_context_parallel_gla_bfloat16_meets_the_pass_rule():
-    """bfloat16: the blocks' zero-state states come from bfloat16 products (float32 sums); the
-    outputs, the final state and every gradient stay within the pass rule against the float64
-    reference, with the unsharded call as the baseline."""
+@pytest.mark.parametrize("passes", [False, True], ids=["derivative", "states_passes"])
+def test_context_parallel_gla_bfloat16_meets_the_pass_rule(request, passes):
+    """bfloat16: the blocks' zero-state states (and with the passes the entering states'
+    cotangents) come from bfloat16 products (float32 sums); the outputs, the final state and
+    every gradient stay within the pass rule against the float64 reference, with the unsharded
+    call as the baseline."""
+    if passes:
+        request.getfixturevalue("closed_form_passes")
     from gla_tpu.testing.grads import outputs_and_grads
     from gla_tpu.testing.tolerance import assert_pass_rule
 

@@ -62,9 +62,9 @@ def gla(
         splits the batch and/or head dims: each device runs the op on its block
         (`jax.shard_map`, no communication); k, v, g, segment_ids, initial_state and the outputs
         follow q. With None, q's own sharding is used where its type carries explicit mesh axes.
-        A split time axis runs context parallel: each device's block from a zero state, one
-        all-gather of the blocks' [B, H, K, V] states, and the outputs corrected by what each
-        block's entering state adds (docs/scale_out.md).
+        A split time axis runs context parallel: each device's block state from a zero state,
+        one all-gather of the blocks' [B, H, K, V] states, and one run of the op from the state
+        entering each block (docs/scale_out.md).
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32 or None).
@@ -107,6 +107,17 @@ def gla(
         )
         return run(q, k, v, g, initial_state, segment_ids, problem=local.with_chunk_size(chunk))
 
+    def states_pass(kind, x, y, g, segment_ids):
+        """The backend's states-only pass of context parallelism on a block, or None."""
+        fn = getattr(module, f"block_{kind}", None)
+        if fn is None:
+            return None
+        local, _, segment_ids = validate_gla(
+            x, x, y, g, scale=problem.scale, initial_state=None, output_final_state=False,
+            segment_ids=segment_ids, mode=mode, chunk_size=chunk_size)
+        return fn(x, y, g, problem=local.with_chunk_size(chunk), segment_ids=segment_ids,
+                  block_sizes=block_sizes, interpret=interpret)
+
     spec = layout.spec("batch", "time", "heads", None)  # q, k, v, per-key g, o
     gate_spec = None if g is None else spec if g.ndim == 4 else layout.spec("batch", "time",
                                                                              "heads")
@@ -120,7 +131,7 @@ def gla(
     # Context parallelism: initial_state is read on every time shard, so its gradient is summed
     # over them; the final state comes out once per time shard and the last one's is returned.
     o, finals = sharded_call(
-        context_parallel.local_pass(run_local, layout), layout, args, in_specs,
+        context_parallel.local_pass(run_local, layout, problem.scale, states_pass), layout, args, in_specs,
         (spec, layout.spec("time", "batch", "heads", None, None)),
         grad_psum_axes=((), (), (), (), layout.time_axes, ()))
     if not output_final_state:
