@@ -275,10 +275,12 @@ def _ring_grads(ring: Ring, q, k, v, q_seg, kv_seg, do, lse, delta):
     dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(ring.shards):
         if step:
-            kv = tuple(map(ring.send_to_next, kv))
             dkv = tuple(map(ring.send_to_next, dkv))
+        # the next block's transfer does not wait for this block's compute (as the forward's)
+        following = tuple(map(ring.send_to_next, kv)) if step + 1 < ring.shards else None
         ddq, ddk, ddv = _step_grads(ring, step, q, q_seg, do, lse, delta, kv)
         dq, dkv = dq + ddq, (dkv[0] + ddk, dkv[1] + ddv)
+        kv = following
     # after P - 1 hops device p holds the gradients of device p + 1's keys: one more hop home
     dk, dv = map(ring.send_to_next, dkv)
     return dq, dk, dv
