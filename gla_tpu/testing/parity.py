@@ -67,14 +67,15 @@ def check_attention_parity(case: AttentionCase, key=None, *, dtype=jnp.float32, 
 
 def check_gla_parity(case: GLACase, key=None, *, dtype=jnp.float32, mode="chunk", backend="xla",
                      interpret=False, chunk_size=None, block_sizes=None, grads=True,
-                     gate_dtype=jnp.float32, final_state_only=False):
+                     gate_dtype=jnp.float32, final_state_only=False, sharding=None):
     """Asserts the pass rule for gla on `case` (outputs, final state and every gradient).
     `key` defaults to one derived from the case. final_state_only: the loss and the comparison
-    see the final state alone (the outputs' cotangent is a symbolic zero)."""
+    see the final state alone (the outputs' cotangent is a symbolic zero). `sharding` runs the
+    kernel on a mesh (the baseline and the reference stay on one device)."""
     key = jax.random.key(case_seed(case)) if key is None else key
     kernel = functools.partial(gla, output_final_state=case.output_final_state, mode=mode,
                                chunk_size=chunk_size, backend=backend, interpret=interpret,
-                               block_sizes=block_sizes)
+                               block_sizes=block_sizes, sharding=sharding)
     if final_state_only:
         kernel = _final_state_of(kernel)
     inputs = _gla_inputs(case, key, dtype, gate_dtype)

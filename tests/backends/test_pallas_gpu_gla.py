@@ -323,18 +323,14 @@ def test_gpu_decode_kernel_parity(tokens, dtype, tol, strength):
            strength=strength, initial_state=True, interpret=False, tol=tol)
 
 
-# Context parallelism's two states-only passes on the pair-level kernels (ops/gla/
-# context_parallel.py), against the closed forms they replace. In GPU interpret mode outside
-# shard_map: the Mosaic GPU interpreter does not run under it (docs/scale_out.md), so the sharded
-# composition itself is tested with the closed forms (tests/ops/test_sharding.py).
-@pytest.mark.parametrize("gate,segments,splits", [("key", True, 1), ("head", False, 2),
-                                                  ("none", True, 2)])
-def test_context_parallel_states_passes_match_the_closed_forms(gate, segments, splits):
+def _check_states_passes(gate, segments, splits, t, interpret):
+    """Context parallelism's two states-only passes on the pair-level kernels (ops/gla/
+    context_parallel.py) against the closed forms they replace (B2 H2 K=64 V=128)."""
     from gla_tpu.ops.gla import context_parallel
     from gla_tpu.ops.gla.pallas_gpu import entry
     from gla_tpu.ops.gla.validation import validate_gla
 
-    b, t, h, kd, vd = 2, 200, 2, 64, 128
+    b, h, kd, vd = 2, 2, 64, 128
     keys = jax.random.split(jax.random.key(11), 6)
     q, k = (jax.random.normal(x, (b, t, h, kd)).astype(jnp.bfloat16) for x in keys[:2])
     v, do = (jax.random.normal(x, (b, t, h, vd)).astype(jnp.bfloat16) for x in keys[2:4])
@@ -345,7 +341,7 @@ def test_context_parallel_states_passes_match_the_closed_forms(gate, segments, s
     problem, _, seg = validate_gla(q, k, v, g, scale=None, initial_state=None,
                                    output_final_state=False, segment_ids=seg, mode="chunk",
                                    chunk_size=None)
-    options = dict(problem=problem.with_chunk_size(64), segment_ids=seg, interpret=True,
+    options = dict(problem=problem.with_chunk_size(64), segment_ids=seg, interpret=interpret,
                    block_sizes=BlockSizes(chunk_kernel="mosaic_gpu", mosaic_time_splits=splits))
     state = entry.block_zero_state(k, v, g, **options)
     entering = entry.block_entering_cotangent(q, do, g, **options)
@@ -353,6 +349,39 @@ def test_context_parallel_states_passes_match_the_closed_forms(gate, segments, s
     want_entering = context_parallel.entering_cotangent_of_block(q, do, g, seg, problem.scale)
     assert relative_rms_error(state, want_state) < 3e-3
     assert relative_rms_error(entering, want_entering) < 3e-3
+
+
+# In GPU interpret mode outside shard_map: the Mosaic GPU interpreter does not run under it
+# (docs/scale_out.md), so the sharded composition itself is tested with the closed forms
+# (tests/ops/test_sharding.py) and on two GPUs below.
+@pytest.mark.parametrize("gate,segments,splits", [
+    ("key", True, 1), pytest.param("head", False, 2, marks=pytest.mark.full),
+    pytest.param("none", True, 2, marks=pytest.mark.full)])
+def test_context_parallel_states_passes_match_the_closed_forms(gate, segments, splits):
+    _check_states_passes(gate, segments, splits, t=200, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,segments,splits", [("key", True, None), ("head", False, 2)])
+def test_gpu_context_parallel_states_passes_match_the_closed_forms(gate, segments, splits):
+    _check_states_passes(gate, segments, splits, t=4096, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    GLACase(1, 4096, 4, 128, 128, gate="key", initial_state=True, segments=True),
+    GLACase(2, 2048, 2, 64, 128, gate="head", initial_state=True)], ids=str)
+def test_gpu_context_parallel_gla_on_two_gpus(case):
+    """T over 2 GPUs on the pair-level kernels (the states-only passes and the backward's own
+    rule): outputs, final state and every gradient under the pass rule."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+    check_gla_parity(case, jax.random.key(9), dtype=jnp.bfloat16, backend="pallas_gpu",
+                     sharding=NamedSharding(mesh, P(None, "seq")))
 
 
 def test_context_parallel_states_passes_lower_to_mosaic_gpu_kernels():

@@ -324,8 +324,9 @@ def closed_form_passes(monkeypatch):
     monkeypatch.setattr(gla_xla, "block_entering_cotangent", entering_cotangent, raising=False)
 
 
-@pytest.mark.parametrize("layout, gate", [("8-time", "key"), ("2x4-batch-time", "head"),
-                                          ("4x2-time-heads", "none")])
+@pytest.mark.parametrize("layout, gate", [
+    ("8-time", "key"), pytest.param("2x4-batch-time", "head", marks=pytest.mark.full),
+    pytest.param("4x2-time-heads", "none", marks=pytest.mark.full)])
 def test_context_parallel_gla_with_states_passes(closed_form_passes, layout, gate):
     """The backward's own rule (D_p, its all-gather, the reverse scan, the op's backward from
     the leaving state's cotangent): initial and final states, segment starts at and inside
@@ -503,7 +504,7 @@ EAGER = {
 # The default run keeps one context-parallel GLA call: two devices with one chunk per block, the
 # crash's condition, in less than half of 8-time's time.
 EAGER_FULL_ONLY = ("gla-8-time", "attention-8-heads", "delta_rule-8-time",
-                   "delta_rule-2-time-T64")
+                   "delta_rule-2-time-T64", "gla-passes-2-time-T64")
 
 
 @pytest.mark.parametrize("name", [
