@@ -29,10 +29,10 @@ CAPABILITIES = Capabilities(
     platform="CUDA GPU (H100/H200; CPU with interpret=True)",
     dtypes=("bfloat16", "float16", "float32"),
     dims=(("head_dim", Dims(values=(16, 32, 64, 128, 256))),), features=ATTENTION_FEATURES,
-    notes="forward: Mosaic GPU (wgmma, TMA, warp specialization) on Hopper at head_dim 64 / 128 / "
-          "256 in bf16 / f16, Triton elsewhere; dq and dk/dv kernels: Mosaic GPU on Hopper under "
-          "the same conditions, Triton elsewhere; blocks outside the causal mask or the window "
-          "skipped",
+    notes="forward: Mosaic GPU (wgmma, TMA, warp specialization; persistent, one block per SM) "
+          "on Hopper at head_dim 64 / 128 / 256 in bf16 / f16, Triton elsewhere; dq and dk/dv "
+          "kernels: Mosaic GPU on Hopper under the same conditions, Triton elsewhere; blocks "
+          "outside the causal mask or the window skipped",
     block_sizes=BlockSizes,
 )
 
