@@ -170,20 +170,26 @@ def local_pass(run_local, layout: MeshLayout, scale, states_pass=None):
             return o, final[None]
         block_state = block_state.astype(sd)
         has_initial = initial_state is not None
+        k_shape = k.shape  # static
+
+        def entering(g, initial, block_state, segment_ids, enters):
+            decay, keeps = block_decay(floor_log_gates(g), segment_ids, k_shape, sd)
+            return scan(block_state, decay, keeps, initial, enters, shape)
 
         # what the backward reads is passed in, not closed over: it is traced apart
+        @jax.custom_vjp
+        def attend(q, k, v, g, initial, block_state, segment_ids, enters):
+            enter, final, _, _ = entering(g, initial, block_state, segment_ids, enters)
+            o, _ = run_local(q, k, v, g, enter, segment_ids, False)
+            return o, final[None]
+
         def forward(q, k, v, g, initial, block_state, segment_ids, enters):
-            decay, keeps = block_decay(floor_log_gates(g), segment_ids, k.shape, sd)
-            enter, final, decays, keeping = scan(block_state, decay, keeps, initial, enters,
-                                                 shape)
+            enter, final, decays, keeping = entering(g, initial, block_state, segment_ids,
+                                                     enters)
             (o, _), pullback = jax.vjp(
                 lambda q, k, v, g, e: run_local(q, k, v, g, e, segment_ids, True),
                 q, k, v, g, enter)
             return (o, final[None]), (pullback, decays, keeping, q, g, segment_ids, enters)
-
-        @jax.custom_vjp
-        def attend(q, k, v, g, initial, block_state, segment_ids, enters):
-            return forward(q, k, v, g, initial, block_state, segment_ids, enters)[0]
 
         def attend_bwd(residuals, cotangents):
             pullback, decays, keeping, q, g, segment_ids, enters = residuals
