@@ -71,16 +71,8 @@ FULL = pytest.mark.full
     # a two-sided window with T < S: masked blocks on both edges, unmasked ones between
     pytest.param(AttentionCase(1, 200, 330, 2, 2, 128, window=(150, 40)),
                  ForwardTiles(64, 64, 3), F16, marks=FULL),
-], ids=str)
-def test_mosaic_forward_interpret_parity(case, tiles, dtype):
-    sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
-    check_attention_parity(case, jax.random.key(4), dtype=dtype, backend="pallas_gpu",
-                           interpret=True, block_sizes=sizes)
-
-
-# The persistent forward: few blocks, so that each walks several tiles and the K/V ring runs on
-# from one tile into the next (odd rounds walk the blocks backwards).
-@pytest.mark.parametrize("case,tiles,dtype", [
+    # The persistent forward: few blocks, so that each walks several tiles and the K/V ring runs
+    # on from one tile into the next (odd rounds walk the blocks backwards).
     # causal, GQA, rows that see no key (T > S), 3 blocks over 2 x 2 x 2 tiles of a ragged last round
     (AttentionCase(2, 200, 130, 2, 1, 64, causal=True),
      ForwardTiles(64, 64, 2, persistent=True, ctas=3), BF16),
@@ -93,7 +85,8 @@ def test_mosaic_forward_interpret_parity(case, tiles, dtype):
     pytest.param(AttentionCase(2, 70, 150, 2, 1, 128, causal=False),
                  ForwardTiles(64, 64, 2, persistent=True, ctas=3), F16, marks=FULL),
 ], ids=str)
-def test_persistent_forward_interpret_parity(case, tiles, dtype):
+def test_mosaic_forward_interpret_parity(case, tiles, dtype):
+    """The per-tile and the persistent forward (tiles.persistent) in GPU interpret mode."""
     sizes = dataclasses.replace(MOSAIC, mosaic_forward=tiles)
     check_attention_parity(case, jax.random.key(4), dtype=dtype, backend="pallas_gpu",
                            interpret=True, block_sizes=sizes)

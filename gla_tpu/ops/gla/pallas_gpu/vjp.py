@@ -133,14 +133,13 @@ def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, h_first=None, p, sp
         return list(kernels_mosaic_state.state_pass(x, y, last, s0, w=w, a=a, h_parts=h_parts,
                                                     h_first=h_first, p=p,
                                                     interpret=interpret)) + [s0]
-    bsz, n, h, kd = last.shape
+    bsz, _, h, kd = last.shape
     vd = y.shape[3]
     split = functools.partial(time_split.fold, splits=splits)
     states_only = dataclasses.replace(p, outputs=False, store_parts=0, state_term=False)
     local = kernels_mosaic_state.state_pass(split(x), split(y), split(last), None,
                                             p=states_only, interpret=interpret)[-1]
-    # each segment's decay, exp of its chunks' summed gates [B, P, H, K]
-    decay = jnp.exp(jnp.sum(last.reshape(bsz, splits, n // splits, h, kd), axis=2))
+    decay = _segment_decays(last, splits)
     start = jnp.zeros((bsz, h, kd, vd), jnp.float32) if s0 is None else s0
     s_in = time_split.segment_starts(local, decay, start, reverse=p.reverse)
     h_parts = None if h_parts is None else tuple(split(x) for x in h_parts)
@@ -149,6 +148,13 @@ def _state_pass_split(x, y, last, s0, *, w, a, h_parts=None, h_first=None, p, sp
                                                    h_first=h_first, p=p, interpret=interpret)
     final = final.reshape(bsz, splits, *final.shape[1:])[:, 0 if p.reverse else -1]
     return [time_split.unfold(out, splits) for out in outs] + [final, s_in]
+
+
+def _segment_decays(last, splits: int):
+    """Each of the P segments' decay, exp of its chunks' summed gates: last [B, N, H, K] (the
+    gates' sum over each chunk) -> [B, P, H, K]."""
+    bsz, n, h, kd = last.shape
+    return jnp.exp(jnp.sum(last.reshape(bsz, splits, n // splits, h, kd), axis=2))
 
 
 def mosaic_last_state(q, k, y, g, geo, interpret, *, reverse: bool):
@@ -170,9 +176,8 @@ def mosaic_last_state(q, k, y, g, geo, interpret, *, reverse: bool):
     split = functools.partial(time_split.fold, splits=splits)
     local = kernels_mosaic_state.state_pass(split(x), split(y), split(last), None, p=p,
                                             interpret=interpret)[-1]
-    bsz, n, h, kd_ = last.shape
-    decay = jnp.exp(jnp.sum(last.reshape(bsz, splits, n // splits, h, kd_), axis=2))
-    local = local.reshape(bsz, splits, *local.shape[1:])
+    decay = _segment_decays(last, splits)
+    local = local.reshape(last.shape[0], splits, *local.shape[1:])
     state = jnp.zeros(local.shape[:1] + local.shape[2:], jnp.float32)
     for s in (reversed(range(splits)) if reverse else range(splits)):
         state = decay[:, s, ..., None] * state + local[:, s]
