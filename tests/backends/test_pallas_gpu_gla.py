@@ -384,6 +384,17 @@ def test_gpu_context_parallel_gla_on_two_gpus(case):
                      sharding=NamedSharding(mesh, P(None, "seq")))
 
 
+def test_the_backend_module_offers_the_states_passes():
+    """ops.gla finds context parallelism's passes on the backend module, as the package exports
+    them (without them every sharded call silently takes the closed forms)."""
+    from gla_tpu.ops.common.backends import backend_module
+    from gla_tpu.ops.gla.pallas_gpu import entry
+
+    module = backend_module("gla", "pallas_gpu")
+    assert module.block_zero_state is entry.block_zero_state
+    assert module.block_entering_cotangent is entry.block_entering_cotangent
+
+
 def test_context_parallel_states_passes_lower_to_mosaic_gpu_kernels():
     """Each pass is prep and one states-only state pass through Mosaic GPU's lowering for CUDA,
     no Triton kernel (B2 T4096 H4 K=V=128, T split in two)."""

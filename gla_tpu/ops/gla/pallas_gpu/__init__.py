@@ -17,7 +17,16 @@ Mosaic GPU kernels for per-key gates, forward and backward, at one speed for eve
     plan.py               ChunkGeometry, tiles, padded head dims
 """
 
-from gla_tpu.ops.gla.pallas_gpu.entry import CAPABILITIES, check_supported, gla
+from gla_tpu.ops.gla.pallas_gpu.entry import (
+    CAPABILITIES,
+    block_entering_cotangent,
+    block_zero_state,
+    check_supported,
+    gla,
+)
 from gla_tpu.ops.gla.pallas_gpu.plan import BlockSizes
 
-__all__ = ["CAPABILITIES", "BlockSizes", "check_supported", "gla"]
+# block_zero_state and block_entering_cotangent: context parallelism's states-only passes, which
+# ops.gla looks up on the backend module (ops/gla/context_parallel.py)
+__all__ = ["CAPABILITIES", "BlockSizes", "block_entering_cotangent", "block_zero_state",
+           "check_supported", "gla"]
