@@ -136,8 +136,12 @@ def test_unpadded_mosaic_calls_take_the_arrays_as_they_come(monkeypatch, kv_len,
     assert texts[1].count("custom_call @mosaic_gpu") == 3
 
 
-def test_persistent_forward_equals_the_per_tile_forward():
-    """Each tile runs the same code: o and lse agree bit for bit."""
+@pytest.mark.parametrize("rank_major", [False, True], ids=["pair_major", "rank_major"])
+def test_persistent_forward_equals_the_per_tile_forward(rank_major, monkeypatch):
+    """Each tile runs the same code, in either order of the work list: o and lse agree bit for
+    bit."""
+    monkeypatch.setattr(mosaic_gpu_forward_persistent, "_rank_major",
+                        lambda *args, **kwargs: rank_major)
     tiles = ForwardTiles(64, 64, 2)
     t, s, d = 300, 300, 64
     keys = jax.random.split(jax.random.key(6), 3)
@@ -151,6 +155,22 @@ def test_persistent_forward_equals_the_per_tile_forward():
         interpret=True)
     for x, y in zip(want, got):
         assert jnp.array_equal(x, y)
+
+
+@pytest.mark.parametrize("shape,causal,rank_major", [
+    ((1, 5, 16384), True, True),  # 5 pairs of 128 causal tiles: pair-major gives 1.9x the mean
+    ((1, 8, 4096), True, True),
+    ((16, 16, 1024), True, False),  # 256 pairs: both orders within 3%
+    ((1, 5, 16384), False, False),  # equal tiles
+])
+def test_persistent_work_list_order(shape, causal, rank_major):
+    """Rank-major where few pairs hold many causal tiles, pair-major elsewhere (132 blocks)."""
+    b, h, t = shape
+    geo = Geometry(q_len=t, kv_len=t, padded_q=t, padded_kv=t, group=1, causal=causal,
+                   offset=0, sm_scale=1.0, has_segments=False)
+    tiles = ForwardTiles(persistent=True)
+    assert mosaic_gpu_forward_persistent._rank_major(
+        geo, tiles, n_tiles=t // tiles.query_multiple, pairs=b * h, ctas=132) == rank_major
 
 
 @pytest.mark.parametrize("head_dim,causal,segments,window", [

@@ -15,13 +15,17 @@ happens between tiles:
 Work list: the (batch, head) pairs in order, heads innermost (a kv head's query heads together),
 and each pair's tiles in order, the causal ones longest first. Round r hands item r * C + c to
 block c, or r * C + (C - 1 - c) in odd rounds (a snake: the blocks' totals even out); C = the
-block count, at most the number of items.
+block count, at most the number of items. Where few pairs hold many causal tiles (B1 H5 T16384:
+5 pairs of 128 tiles on 132 blocks) that order leaves one block with 1.9x the mean work, so the
+list is then rank-major instead (every pair's longest tile, then every pair's next one, ...),
+whichever of the two orders `_rank_major` finds better balanced.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -37,17 +41,63 @@ from gla_tpu.ops.common import backends
 from gla_tpu.ops.common.mosaic_gpu import ring_continue, ring_drain
 
 
+def _tile_work(geo: Geometry, tiles: ForwardTiles, n_tiles: int) -> np.ndarray:
+    """The key blocks each tile (in the work list's rank order: causal longest first) visits, by
+    the bounds of blocks.kv_blocks (its lo and hi) in numpy: [n_tiles] int."""
+    rows, bkv = tiles.query_multiple, tiles.block_kv
+    n_kv = geo.padded_kv // bkv
+    left, right = geo.reach
+    rank = np.arange(n_tiles)
+    tile = n_tiles - 1 - rank if geo.causal else rank
+    first = tile * rows + geo.offset
+    lo = np.zeros(n_tiles, np.int64)
+    hi = np.full(n_tiles, n_kv, np.int64)
+    if left is not None:
+        lo = np.minimum(np.maximum(first - left, 0) // bkv, n_kv)
+    if right is not None:
+        hi = np.minimum(-(-np.maximum(first + rows + right, 0) // bkv), n_kv)
+    return np.maximum(hi - lo, 0)
+
+
+def _imbalance(work: np.ndarray, ctas: int) -> float:
+    """The most work one block gets from the snake hand-out of `work` (in list order), over the
+    mean."""
+    position = np.arange(work.size)
+    lane = position % ctas
+    lane = np.where((position // ctas) % 2 == 0, lane, ctas - 1 - lane)
+    totals = np.bincount(lane, weights=work, minlength=ctas)
+    return float(totals.max() / max(totals.mean(), 1e-9))
+
+
+def _rank_major(geo: Geometry, tiles: ForwardTiles, *, n_tiles: int, pairs: int,
+                ctas: int) -> bool:
+    """Whether the work list runs rank-major (tile rank outer, pair inner) rather than pair-major:
+    where that balances the blocks' work better by more than 5% (causal or windowed tiles of
+    unequal work, few pairs)."""
+    work = _tile_work(geo, tiles, n_tiles)
+    if work.min() == work.max():
+        return False
+    pair_major = np.tile(work, pairs)
+    rank_major = np.repeat(work, pairs)
+    return _imbalance(rank_major, ctas) < _imbalance(pair_major, ctas) - 0.05
+
+
 def _work_list(geo: Geometry, tiles: ForwardTiles, *, n_tiles: int, heads: int, items: int,
                ctas: int):
     """item(cta, r) -> (valid, batch, head, tile_base, (first, end) key blocks of the tile)."""
     bq, bkv = tiles.block_q, tiles.block_kv
+    pairs = items // n_tiles
+    rank_major = _rank_major(geo, tiles, n_tiles=n_tiles, pairs=pairs, ctas=ctas)
 
     def item(cta, r):
         lane = jnp.where(lax.rem(r, 2) == 0, cta, ctas - 1 - cta)
         position = r * ctas + lane
         valid = position < items
         position = jnp.minimum(position, items - 1)  # in range for an invalid slot's indices
-        pair, rank = lax.div(position, n_tiles), lax.rem(position, n_tiles)
+        if rank_major:
+            rank, pair = lax.div(position, pairs), lax.rem(position, pairs)
+        else:
+            pair, rank = lax.div(position, n_tiles), lax.rem(position, n_tiles)
         tile = n_tiles - 1 - rank if geo.causal else rank  # causal: most keys first
         tile_base = tile * tiles.query_multiple
         blocks = (kv_blocks(geo, tile_base, bq, bkv)[0],
