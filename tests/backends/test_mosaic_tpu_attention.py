@@ -4,6 +4,7 @@ their resolution against short sequences, the VMEM plan, and interpret parameter
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax.numpy as jnp
 import pytest
@@ -29,18 +30,57 @@ def test_interpret_params_instance_passes_through():
 
 # The backward's sub-block loop (plan.backward_sub_block: a dq key block or a dk/dv query block
 # wider than the sub-block, taken by a loop), made to run at small shapes by a sub-block of 128:
-# full and causal, segment ids, T != S.
+# full and causal, segment ids, T != S; in the one-kernel backward (one dq tile per sub-block)
+# and in the two kernels.
+@pytest.mark.parametrize("fused", [True, False], ids=["one_kernel", "two_kernels"])
 @pytest.mark.parametrize("case", [
     C(1, 256, 256, 2, 1, 128, causal=False, segments="pair"),
     C(1, 200, 300, 2, 2, 128, causal=True),
 ], ids=["full-segments", "causal-T200-S300"])
-def test_backward_sub_block_loop(case, monkeypatch):
+def test_backward_sub_block_loop(case, fused, monkeypatch):
     from gla_tpu.ops.attention.mosaic_tpu import plan
 
     monkeypatch.setattr(plan, "BACKWARD_SUB_BLOCK", 128)
     sizes = BlockSizes(block_q=128, block_kv=128, block_q_dq=128, block_kv_dq=256,
-                       block_q_dkv=256, block_kv_dkv=128)
+                       block_q_dkv=256, block_kv_dkv=128, fused_backward=fused)
     check_attention_parity(case, backend="mosaic_tpu", interpret=True, block_sizes=sizes)
+
+
+# The two-kernel backward (dq; dk and dv), which runs where the one-kernel backward's dq does not
+# fit VMEM and on a chip not known; interpret mode takes the one kernel by default, as every case
+# of tests/ops/test_attention.py does. GQA with T != S, segment ids at D = 64, a window with a
+# soft cap.
+@pytest.mark.parametrize("case", [
+    C(1, 200, 300, 4, 2, 128, causal=True),
+    C(2, 256, 256, 2, 1, 64, causal=True, segments="pair"),
+    C(1, 384, 384, 2, 2, 128, causal=True, window=(100, 0), soft_cap=20.0),
+], ids=str)
+def test_two_kernel_backward_interpret_parity(case):
+    sizes = dataclasses.replace(SMALL, fused_backward=False)
+    check_attention_parity(case, backend="mosaic_tpu", interpret=True, block_sizes=sizes)
+
+
+def test_interpret_mode_takes_the_one_kernel_backward(monkeypatch):
+    """By default (BlockSizes.fused_backward None) interpret mode runs flash_dqkv, not the two
+    kernels (a shape of its own, so that no cached trace answers)."""
+    from gla_tpu.ops.attention.mosaic_tpu import vjp
+
+    called = []
+    original = vjp.flash_dqkv
+
+    def counted(*args, **kwargs):
+        called.append(True)
+        return original(*args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("the two-kernel backward ran")
+
+    monkeypatch.setattr(vjp, "flash_dqkv", counted)
+    monkeypatch.setattr(vjp, "flash_dq", refused)
+    monkeypatch.setattr(vjp, "flash_dkv", refused)
+    check_attention_parity(C(1, 131, 131, 2, 1, 64, causal=True), backend="mosaic_tpu",
+                           interpret=True, block_sizes=SMALL)
+    assert called
 
 
 # Errors and capability.
@@ -58,6 +98,7 @@ def test_backward_sub_block_loop(case, monkeypatch):
         dict(block_kv_compute=64),
         dict(vmem_limit_bytes=-1),
         dict(row_sum_on_mxu=1),
+        dict(fused_backward="yes"),
     ],
 )
 def test_bad_block_sizes_raise_value_error(kwargs):

@@ -245,6 +245,34 @@ def test_backward_tiles_128_wide(generation, d, dtype, causal, segments, expecte
         assert compile_for_tpu(fn, *args, generation=generation) is not None
 
 
+# The backward in one kernel (plan._fused_backward): where the kv head's dq for the whole sequence
+# fits half the chip's VMEM; not on v4 (16 MiB), not at T = 32768 with 8 query heads per kv head,
+# not on two TensorCores (v5p) with one (batch, kv head) pair, not where the chip is not known.
+@pytest.mark.parametrize("generation,b,t,h,hkv,expected", [
+    ("v5e", 1, 4096, 8, 8, True), ("v6e", 2, 4096, 32, 32, True), ("7x", 1, 8192, 16, 16, True),
+    ("v4", 1, 4096, 8, 8, False), ("v5e", 1, 32768, 8, 1, False), ("v5p", 1, 4096, 1, 1, False),
+    ("v5p", 1, 4096, 8, 8, True), (None, 1, 4096, 8, 8, False),
+])
+def test_one_kernel_backward_where_it_fits(generation, b, t, h, hkv, expected):
+    from gla_tpu.ops.attention.mosaic_tpu import plan
+    from gla_tpu.ops.attention.validation import validate_attention
+    from gla_tpu.testing.tpu_compile import targeting
+
+    q, kv = (jax.ShapeDtypeStruct((b, t, n, 128), BF16) for n in (h, hkv))
+    problem, _, _ = validate_attention(q, kv, kv, causal=True, sm_scale=None, segment_ids=None)
+    if generation is None:
+        cfg = plan.kernel_config(problem, None, False)
+    else:
+        with targeting(generation):
+            cfg = plan.kernel_config(problem, None, False)
+    assert cfg.fused_backward is expected
+    if expected:
+        limit = cfg.fused_backward_vmem_limit_bytes
+        assert plan.kernel_vmem_bytes(cfg, "dqkv") <= limit
+    forced = plan.kernel_config(problem, plan.BlockSizes(fused_backward=False), False)
+    assert not forced.fused_backward
+
+
 # v5e's wide backward blocks for full attention at D = 128 (plan._wide_block): 4096 where the
 # sequence pads to a multiple of it, 2048 where 4096 would pad further than 1024-blocks, none at
 # T <= 1024 or T = 3000 (3072 is no multiple of 2048); whatever the head count.

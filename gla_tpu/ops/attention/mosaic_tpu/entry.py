@@ -101,9 +101,13 @@ def attention_block_grads(q, k, v, do, lse, delta, *, problem, q_segment_ids, kv
     # Padded rows: q = do = delta = 0, so whatever p they get adds nothing.
     lse_rows = pad_time(jnp.where(jnp.isfinite(lse), lse, jnp.inf), tp, axis=2)[:, :, None]
     delta_rows = pad_time(delta, tp, axis=2)[:, :, None]
-    dq = kernels.flash_dq(cfg, qh, kh, vh, doh, lse_rows, delta_rows, q_seg, kv_seg,
-                          out_dtype=jnp.float32)
-    dk, dv = kernels.flash_dkv(cfg, qh, kh, vh, doh, lse_rows, delta_rows, q_seg, kv_seg,
-                               out_dtype=jnp.float32)
+    if cfg.fused_backward:
+        dq, dk, dv = kernels.flash_dqkv(cfg, qh, kh, vh, doh, lse_rows, delta_rows, q_seg,
+                                        kv_seg, out_dtype=jnp.float32)
+    else:
+        dq = kernels.flash_dq(cfg, qh, kh, vh, doh, lse_rows, delta_rows, q_seg, kv_seg,
+                              out_dtype=jnp.float32)
+        dk, dv = kernels.flash_dkv(cfg, qh, kh, vh, doh, lse_rows, delta_rows, q_seg, kv_seg,
+                                   out_dtype=jnp.float32)
     back = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)  # noqa: E731
     return back(dq, problem.q_len), back(dk, problem.kv_len), back(dv, problem.kv_len)

@@ -1,4 +1,5 @@
-"""Pallas TPU (Mosaic) kernels of softmax flash attention: forward, dq and dk/dv.
+"""Pallas TPU (Mosaic) kernels of softmax flash attention: forward; the backward in one kernel
+(dq, dk and dv), or in two (dq; dk and dv).
 
 The kernels know nothing of autodiff; `vjp.py` wires them with `jax.custom_vjp`.
 Every array here is padded and, but for the rows forward (`flash_forward_rows`: [B, Tp, H, 128]
@@ -556,11 +557,12 @@ def flash_dq(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtyp
 
 
 def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_seg_ref,
-              kv_seg_ref):
+              kv_seg_ref, add_dq=None):
     """One query head's share of dk and dv at grid step (kv block j, q block i): read(start,
     size) -> (q, k, v, do), q and do [size, D] the rows start..start + size of the q block (its
     `plan.backward_sub_block`s), k and v [bkv, D]; lse_ref, di_ref [1, bq] rows; accumulates
-    into dk_sc, dv_sc [bkv, D]."""
+    into dk_sc, dv_sc [bkv, D]. With `add_dq` (the one-kernel backward), also this kv block's
+    share of dq from the tile: add_dq(start, size, ds^T [bkv, size] in q's dtype)."""
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
     bqc = backward_sub_block(bq)
 
@@ -581,7 +583,10 @@ def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_se
         ds_t = p_t * (dp_t - di_ref[:, cols])  # [bkv, bqc]
         if cap_grad is not None:
             ds_t = ds_t * cap_grad
-        dk_sc[...] += product(ds_t.astype(q.dtype), q)  # [bkv, D]
+        ds_t = ds_t.astype(q.dtype)
+        dk_sc[...] += product(ds_t, q)  # [bkv, D]
+        if add_dq is not None:
+            add_dq(start, bqc, ds_t)
 
     def compute(masked: bool):
         _sub_loop(bq // bqc, lambda c: sub_step(masked, c))
@@ -592,6 +597,17 @@ def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_se
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig):
     """Head-major blocks; grid (b, kv head, j, query head in group, i)."""
     q_seg_ref, kv_seg_ref, (dk_ref, dv_ref, dk_sc, dv_sc) = _segment_refs(cfg, refs)
+    _dkv_steps(cfg, (q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref),
+               (dk_ref, dv_ref, dk_sc, dv_sc))
+
+
+def _dkv_steps(cfg: KernelConfig, ins, outs, add_dq=None):
+    """The dk/dv kernels' grid step (b, kv head, j, query head in group, i): zero the
+    accumulators at the kv block's first step, add this step's share (`_dkv_head`), write dk and
+    dv after its last. ins: (q, k, v, do, lse, di, q segment, kv segment) refs; outs: (dk, dv
+    refs, their float32 accumulators)."""
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref = ins
+    dk_ref, dv_ref, dk_sc, dv_sc = outs
     j, gi, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     q_block = blocks.q_block_at(cfg, j, i, cfg.block_q_dkv, cfg.block_kv_dkv)
 
@@ -603,7 +619,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kernel
     _dkv_head(cfg, j, q_block,
               lambda start, size: (q_ref[pl.ds(start, size), :], k_ref[...], v_ref[...],
                                    do_ref[pl.ds(start, size), :]),
-              lse_ref, di_ref, dk_sc, dv_sc, q_seg_ref, kv_seg_ref)
+              lse_ref, di_ref, dk_sc, dv_sc, q_seg_ref, kv_seg_ref, add_dq)
 
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))
     def _finalize():
@@ -621,16 +637,13 @@ def _dkv_q_block(cfg: KernelConfig, j, i):
     return i
 
 
-def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None,
-              token_major_out: bool = False):
-    """(dk, dv) [B, Hkv, Sp, D] (token_major_out: [B, Sp, Hkv * D]) in `out_dtype` (default k's
-    dtype), summed over the G query heads of each kv head."""
+def _kv_major_inputs(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg):
+    """(grid, input BlockSpecs, inputs, kv_map) of the kv-major backward kernels (dk/dv, and the
+    one-kernel backward): grid (b, kv head, kv block j, query head in group, q step i)."""
     b, hkv, sp, d = k.shape
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
     g = cfg.group
-    # (batch, kv head, kv block) parallel; (query head in group, q block) accumulate.
     grid = (b, hkv, sp // bkv, g, blocks.q_steps(cfg, bq, bkv))
-
     q_block = functools.partial(_dkv_q_block, cfg)
 
     def q_map(bi, ni, j, gi, i):
@@ -650,6 +663,16 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
             pl.BlockSpec((None, 1, bkv), lambda bi, ni, j, gi, i: (bi, 0, j)),
         ]
         args += [q_seg, kv_seg]
+    return grid, in_specs, args, kv_map
+
+
+def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None,
+              token_major_out: bool = False):
+    """(dk, dv) [B, Hkv, Sp, D] (token_major_out: [B, Sp, Hkv * D]) in `out_dtype` (default k's
+    dtype), summed over the G query heads of each kv head."""
+    bq, bkv, d = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.head_dim
+    # (batch, kv head, kv block) parallel; (query head in group, q block) accumulate.
+    grid, in_specs, args, kv_map = _kv_major_inputs(cfg, q, k, v, do, lse, di, q_seg, kv_seg)
     outs = [_rows_out(x.shape, out_dtype or x.dtype, bkv, kv_map, token_major_out)
             for x in (k, v)]
     out_shape = [shape for shape, _ in outs]
@@ -669,3 +692,103 @@ def flash_dkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dty
             interpret=cfg.interpret,
             name=name,
         )(*args)
+
+
+# Backward in one kernel: dk and dv as `flash_dkv` computes them, and dq from the same ds tile.
+# The two-kernel backward computes s, p and dp twice (7 block products); this one once (5). dq is
+# accumulated for the kv head's whole (padded) query sequence in VMEM, transposed: one [D, sub]
+# float32 tile per q sub-block, updated by k^T ds^T, a plain product of k^T (transposed once per
+# kv block) and the dk/dv body's ds^T tile, so that no step transposes a score tile. The tiles
+# are transposed back once, as dq is written.
+
+
+def _dqkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: KernelConfig,
+                 token_major: bool):
+    """Head-major blocks; grid (b, kv head, j, query head in group, i). dq_ref: the group's dq,
+    [G, Tp, D] (token-major: [Tp, G * D]), written after the last step; dqt_sc
+    [G, Tp / sub, D, sub] float32 (sub = `plan.backward_sub_block(block_q_dkv)`); kt_sc
+    [D, block_kv_dkv], this kv block's k^T."""
+    q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
+    dq_ref, dk_ref, dv_ref, dqt_sc, dk_sc, dv_sc, kt_sc = refs
+    j, gi, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    bq, d = cfg.block_q_dkv, cfg.head_dim
+    sub = backward_sub_block(bq)
+    q_block = blocks.q_block_at(cfg, j, i, bq, cfg.block_kv_dkv)
+    first = jnp.logical_and(gi == 0, i == 0)  # of kv block j
+    last = jnp.logical_and(gi == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1)
+
+    @pl.when(jnp.logical_and(j == 0, first))
+    def _zero_dq():
+        @pl.loop(0, dqt_sc.shape[1])
+        def _(n):
+            dqt_sc[:, n] = jnp.zeros((cfg.group, d, sub), jnp.float32)
+
+    @pl.when(first)
+    def _transpose_k():
+        kt_sc[...] = k_ref[...].astype(jnp.float32).T.astype(kt_sc.dtype)
+
+    def add_dq(start, size, ds_t):
+        n = q_block * (bq // size) + (start // size if isinstance(start, int)
+                                      else lax.div(start, size))
+        dqt_sc[gi, n] += product(kt_sc[...], ds_t)  # [D, size]
+
+    _dkv_steps(cfg, (q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref),
+               (dk_ref, dv_ref, dk_sc, dv_sc), add_dq)
+
+    @pl.when(jnp.logical_and(j == pl.num_programs(2) - 1, last))
+    def _write_dq():
+        @pl.loop(0, dqt_sc.shape[1])
+        def _(n):
+            rows_n = pl.ds(pl.multiple_of(n * sub, sub), sub)
+            for g in range(cfg.group):
+                dq = (dqt_sc[g, n].T * cfg.sm_scale).astype(dq_ref.dtype)  # [sub, D]
+                if token_major:
+                    dq_ref[rows_n, g * d:(g + 1) * d] = dq
+                else:
+                    dq_ref[g, rows_n, :] = dq
+
+
+def flash_dqkv(cfg: KernelConfig, q, k, v, do, lse, di, q_seg, kv_seg, *, out_dtype=None,
+               token_major_out: bool = False):
+    """(dq [B, H, Tp, D], dk, dv [B, Hkv, Sp, D]) (token_major_out: [B, Tp, H * D] and
+    [B, Sp, Hkv * D]) in one kernel (`plan.KernelConfig.fused_backward`), dq in q's dtype, dk and
+    dv in k's (or `out_dtype`); dk and dv summed over the G query heads of each kv head."""
+    b, hkv, _, d = k.shape
+    tp = q.shape[2]
+    bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
+    sub = backward_sub_block(bq)
+    g = cfg.group
+    # (batch, kv head) parallel; kv block, query head in group and q block accumulate (dq over
+    # the kv blocks)
+    grid, in_specs, args, kv_map = _kv_major_inputs(cfg, q, k, v, do, lse, di, q_seg, kv_seg)
+    dq_dtype = out_dtype or q.dtype
+    if token_major_out:
+        dq_shape = jax.ShapeDtypeStruct((b, tp, hkv * g * d), dq_dtype)
+        dq_spec = pl.BlockSpec((None, tp, g * d), lambda bi, ni, j, gi, i: (bi, 0, ni))
+    else:
+        dq_shape = jax.ShapeDtypeStruct((b, hkv, g, tp, d), dq_dtype)
+        dq_spec = pl.BlockSpec((None, None, g, tp, d), lambda bi, ni, j, gi, i: (bi, ni, 0, 0, 0))
+    outs = [_rows_out(x.shape, out_dtype or x.dtype, bkv, kv_map, token_major_out)
+            for x in (k, v)]
+    out_shape = [dq_shape] + [shape for shape, _ in outs]
+    name = _call_name("bwd_dqkv", cfg, bq, bkv)
+    with jax.named_scope(name):
+        dq, dk, dv = pl.pallas_call(
+            functools.partial(_dqkv_kernel, cfg=cfg, token_major=token_major_out),
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=[dq_spec] + [spec for _, spec in outs],
+            scratch_shapes=[pltpu.VMEM((g, tp // sub, d, sub), jnp.float32),
+                            pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32),
+                            pltpu.VMEM((d, bkv), k.dtype)],
+            compiler_params=_compiler_params(
+                cfg, ("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"),
+                cfg.fused_backward_vmem_limit_bytes),
+            cost_estimate=cost_estimate(cfg, passes=4, arrays=args, out_shape=out_shape),
+            interpret=cfg.interpret,
+            name=name,
+        )(*args)
+    if not token_major_out:
+        dq = dq.reshape(b, hkv * g, tp, d)
+    return dq, dk, dv

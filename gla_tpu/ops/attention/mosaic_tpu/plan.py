@@ -65,6 +65,12 @@ class BlockSizes:
         on a chip that cannot be queried (`target_tpu_info()` None outside interpret mode,
         e.g. `jax.export` from a CPU host): there the head-major kernels at the
         generation-independent defaults compile on every generation.
+      fused_backward: whether the backward runs in one kernel (`kernels.flash_dqkv`: dk, dv and
+        dq from one pass over the score tiles, 5 block products instead of the two kernels' 7),
+        which holds the kv head's dq for the whole sequence in VMEM. None: where the chip can be
+        queried (or in interpret mode), its footprint (`fused_backward_vmem_bytes`) fits half
+        the chip's VMEM and, on two TensorCores (v4, v5p), B * Hkv is even; True always; False
+        never (docs/attention_mosaic_tpu.md, "The backward in one kernel").
 
     Example:
       >>> BlockSizes(block_q=256, block_kv=512, block_kv_compute=256)  # doctest: +ELLIPSIS
@@ -81,6 +87,7 @@ class BlockSizes:
     vmem_limit_bytes: int | None = None
     row_sum_on_mxu: bool | None = None
     forward_reads_rows: bool | None = None
+    fused_backward: bool | None = None
 
     def __post_init__(self):
         for name in _TILE_FIELDS:
@@ -115,6 +122,9 @@ class BlockSizes:
         if self.forward_reads_rows is not None and not isinstance(self.forward_reads_rows, bool):
             raise ValueError(f"BlockSizes.forward_reads_rows must be None, True or False; got "
                              f"{self.forward_reads_rows!r}.")
+        if self.fused_backward is not None and not isinstance(self.fused_backward, bool):
+            raise ValueError(f"BlockSizes.fused_backward must be None, True or False; got "
+                             f"{self.fused_backward!r}.")
 
     @classmethod
     def default(cls, head_dim: int, mxu_width: int | None = None,
@@ -196,6 +206,10 @@ class KernelConfig:
     # (left, right) local window (causal: right 0) or None; validation.AttentionProblem.window
     window: tuple | None = None
     logits_soft_cap: float | None = None
+    # the backward in one kernel (kernels.flash_dqkv; BlockSizes.fused_backward) and its
+    # scoped VMEM limit
+    fused_backward: bool = False
+    fused_backward_vmem_limit_bytes: int | None = None
 
     @property
     def reach(self) -> tuple[int | None, int | None]:
@@ -318,10 +332,13 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         if reads_rows else None)
     q_mult = math.lcm(bq, bq_dq, bq_dkv)
     kv_mult = math.lcm(bkv, bkv_dq, bkv_dkv)
+    q_len_padded = -(-problem.q_len // q_mult) * q_mult
+    fused, fused_limit = _fused_backward(problem, info, bs.fused_backward, interpret,
+                                         q_len_padded, bq_dkv, bkv_dkv, vmem_limit)
     return KernelConfig(
         batch=problem.batch, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads,
         head_dim=problem.head_dim, q_len=problem.q_len, kv_len=problem.kv_len,
-        q_len_padded=-(-problem.q_len // q_mult) * q_mult,
+        q_len_padded=q_len_padded,
         kv_len_padded=-(-problem.kv_len // kv_mult) * kv_mult,
         itemsize=jnp.dtype(problem.dtype).itemsize,
         causal=problem.causal, sm_scale=float(problem.sm_scale),
@@ -333,7 +350,45 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
         stream_across_rows=_one_core_in_order(info, interpret),
         interpret=tpu_interpret_params(interpret),
         window=problem.window, logits_soft_cap=problem.logits_soft_cap,
+        fused_backward=fused, fused_backward_vmem_limit_bytes=fused_limit,
     )
+
+
+def fused_backward_vmem_bytes(q_len_padded: int, bq: int, bkv: int, group: int, head_dim: int,
+                              itemsize: int, segments: bool) -> int:
+    """Scoped VMEM of the one-kernel backward (`kernels.flash_dqkv`): the dk/dv kernel's
+    (`vmem_estimate_bytes`), k^T, and the group's dq over the whole padded sequence, a float32
+    accumulator and the output block (double-buffered)."""
+    dq = group * q_len_padded * head_dim * (4 + 2 * itemsize)
+    k_t = head_dim * bkv * itemsize
+    return vmem_estimate_bytes("dkv", bq, bkv, head_dim, itemsize, segments=segments) + dq + k_t
+
+
+# The one-kernel backward runs where its footprint fits this share of the chip's VMEM (in
+# interpret mode, off a TPU: of v4's 16 MiB, the smallest).
+_FUSED_VMEM_SHARE = 0.5
+_SMALLEST_VMEM_BYTES = 16 * 2**20
+
+
+def _fused_backward(problem, info, requested, interpret, q_len_padded: int, bq: int, bkv: int,
+                    vmem_limit):
+    """(whether the backward runs in one kernel, its scoped VMEM limit or None), for
+    BlockSizes.fused_backward = `requested`."""
+    if requested is False:
+        return False, None
+    need = fused_backward_vmem_bytes(
+        q_len_padded, bq, bkv, problem.num_heads // problem.num_kv_heads, problem.head_dim,
+        jnp.dtype(problem.dtype).itemsize, problem.has_segments)
+    if requested is None:
+        if info is None and not interpret:  # a chip not known: the two kernels' safe defaults
+            return False, None
+        vmem = _SMALLEST_VMEM_BYTES if info is None else info.vmem_capacity_bytes
+        if need > vmem * _FUSED_VMEM_SHARE:
+            return False, None
+        # two TensorCores split the (batch, kv head) axes: an odd count leaves one idle a while
+        if info is not None and info.num_cores >= 2 and problem.batch * problem.num_kv_heads % 2:
+            return False, None
+    return True, vmem_limit or _rows_vmem_limit(info, need)
 
 
 def _one_core_in_order(info, interpret) -> bool:
@@ -556,18 +611,21 @@ def vmem_estimate_bytes(kind: str, block_q: int, block_kv: int, head_dim: int, i
 
 
 def kernel_vmem_bytes(cfg: KernelConfig, kind: str) -> int:
-    """The scoped VMEM the plan counts for kernel `kind` ("fwd", "dq", "dkv") of `cfg`: the
-    rows forward's model (`rows_vmem_bytes`) where the forward reads rows, else
-    `vmem_estimate_bytes`."""
+    """The scoped VMEM the plan counts for kernel `kind` ("fwd", "dq", "dkv", "dqkv") of `cfg`:
+    the rows forward's model (`rows_vmem_bytes`) where the forward reads rows, the one-kernel
+    backward's (`fused_backward_vmem_bytes`), else `vmem_estimate_bytes`."""
     itemsize = cfg.itemsize
     if kind == "fwd" and cfg.forward_reads_rows:
         return rows_vmem_bytes(cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.num_heads,
                                cfg.num_kv_heads, cfg.head_dim, itemsize, cfg.row_sum_on_mxu,
                                cfg.has_segments)
+    if kind == "dqkv":
+        return fused_backward_vmem_bytes(cfg.q_len_padded, cfg.block_q_dkv, cfg.block_kv_dkv,
+                                         cfg.group, cfg.head_dim, itemsize, cfg.has_segments)
     tiles = {"fwd": (cfg.block_q, cfg.block_kv), "dq": (cfg.block_q_dq, cfg.block_kv_dq),
              "dkv": (cfg.block_q_dkv, cfg.block_kv_dkv)}
     if kind not in tiles:
-        raise ValueError(f"kind must be 'fwd', 'dq' or 'dkv'; got {kind!r}.")
+        raise ValueError(f"kind must be 'fwd', 'dq', 'dkv' or 'dqkv'; got {kind!r}.")
     return vmem_estimate_bytes(kind, *tiles[kind], cfg.head_dim, itemsize,
                                block_kv_compute=cfg.block_kv_compute,
                                segments=cfg.has_segments, row_sum_on_mxu=cfg.row_sum_on_mxu)

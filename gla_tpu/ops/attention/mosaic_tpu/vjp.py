@@ -6,8 +6,8 @@ head-major copies of q, k, v, made here, otherwise; the backward kernels read he
 q, k, v and do. o, dq, dk and dv are written in the API's layout where D is a multiple of 128
 (`token_major_output`), head-major (then transposed) at D = 64. Forward saves q, k, v (head-major
 where it made those copies), o, lse and the segment ids; the backward computes
-di = rowsum(o * do) once and runs the dq and dk/dv kernels, which recompute p = exp(s - lse) block
-by block.
+di = rowsum(o * do) once and runs the one-kernel backward (`cfg.fused_backward`) or the dq and
+dk/dv kernels, which recompute p = exp(s - lse) block by block.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from gla_tpu.ops.attention.mosaic_tpu.kernels import (
     flash_dkv,
     flash_dq,
+    flash_dqkv,
     flash_forward,
     flash_forward_rows,
 )
@@ -80,9 +81,14 @@ def _attention_bwd(cfg, residuals, do):
     qh, kh, vh = (_head_major(x) for x in (q, k, v)) if cfg.forward_reads_rows else (q, k, v)
     doh = _head_major(do)
     token_major = token_major_output(cfg)
-    dq = flash_dq(cfg, qh, kh, vh, doh, lse, di_rows, q_seg, kv_seg, token_major_out=token_major)
-    dk, dv = flash_dkv(cfg, qh, kh, vh, doh, lse, di_rows, q_seg, kv_seg,
-                       token_major_out=token_major)
+    if cfg.fused_backward:
+        dq, dk, dv = flash_dqkv(cfg, qh, kh, vh, doh, lse, di_rows, q_seg, kv_seg,
+                                token_major_out=token_major)
+    else:
+        dq = flash_dq(cfg, qh, kh, vh, doh, lse, di_rows, q_seg, kv_seg,
+                      token_major_out=token_major)
+        dk, dv = flash_dkv(cfg, qh, kh, vh, doh, lse, di_rows, q_seg, kv_seg,
+                           token_major_out=token_major)
     return _api_layout(cfg, dq), _api_layout(cfg, dk), _api_layout(cfg, dv), None, None
 
 
