@@ -20,10 +20,11 @@ RECORDED = json.loads(
 GROWTH_ALLOWED = 1.10
 
 
-# Default run: one attention and one GLA program on one generation, v6e, so that CI guards both
-# op families (10-15 s of profiling each on a 2-core host); --full adds the v5e attention program.
+# Default run: the attention forward, the attention backward (in one kernel) and one GLA program
+# on one generation, v6e, so that CI guards both op families (3-15 s of profiling each on a 2-core
+# host); --full adds the v5e attention program.
 @pytest.mark.parametrize("recorded", [
-    pytest.param(r, id=f"{r['op']}-{r['generation']}",
+    pytest.param(r, id=f"{r['op']}-{r['generation']}-{r['passes']}",
                  marks=() if r["generation"] == "v6e" else pytest.mark.full)
     for r in RECORDED["records"]])
 def test_static_cycle_estimate_does_not_grow(recorded):
