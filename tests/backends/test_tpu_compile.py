@@ -273,6 +273,20 @@ def test_one_kernel_backward_where_it_fits(generation, b, t, h, hkv, expected):
     assert not forced.fused_backward
 
 
+def test_one_kernel_backward_forced_where_it_cannot_fit_says_so():
+    """BlockSizes(fused_backward=True) where dq for the sequence outgrows the chip's VMEM (v5e,
+    T = 131072, a group of 8): NotImplementedError naming the field and the bytes, not a
+    compiler trace."""
+    from gla_tpu.ops.attention.mosaic_tpu import plan
+    from gla_tpu.ops.attention.validation import validate_attention
+    from gla_tpu.testing.tpu_compile import targeting
+
+    q, kv = (jax.ShapeDtypeStruct((1, 131072, n, 128), BF16) for n in (8, 1))
+    problem, _, _ = validate_attention(q, kv, kv, causal=True, sm_scale=None, segment_ids=None)
+    with targeting("v5e"), pytest.raises(NotImplementedError, match="fused_backward=True"):
+        plan.kernel_config(problem, plan.BlockSizes(fused_backward=True), False)
+
+
 # v5e's wide backward blocks for full attention at D = 128 (plan._wide_block): 4096 where the
 # sequence pads to a multiple of it, 2048 where 4096 would pad further than 1024-blocks, none at
 # T <= 1024 or T = 3000 (3072 is no multiple of 2048); whatever the head count.

@@ -69,7 +69,8 @@ class BlockSizes:
         dq from one pass over the score tiles, 5 block products instead of the two kernels' 7),
         which holds the kv head's dq for the whole sequence in VMEM. None: where the chip can be
         queried (or in interpret mode), its footprint (`fused_backward_vmem_bytes`) fits half
-        the chip's VMEM and, on two TensorCores (v4, v5p), B * Hkv is even; True always; False
+        the chip's VMEM and, on two TensorCores (v4, v5p), B * Hkv is even; True always
+        (NotImplementedError where the footprint exceeds 75% of a known chip's VMEM); False
         never (docs/attention_mosaic_tpu.md, "The backward in one kernel").
 
     Example:
@@ -388,6 +389,13 @@ def _fused_backward(problem, info, requested, interpret, q_len_padded: int, bq: 
         # two TensorCores split the (batch, kv head) axes: an odd count leaves one idle a while
         if info is not None and info.num_cores >= 2 and problem.batch * problem.num_kv_heads % 2:
             return False, None
+    elif info is not None and need > info.vmem_capacity_bytes * _ROWS_VMEM_LIMIT_SHARE:
+        raise NotImplementedError(
+            f"BlockSizes.fused_backward=True: the one-kernel backward holds the kv head's dq for "
+            f"the whole sequence in VMEM, {need / 2**20:.1f} MiB here (T padded to "
+            f"{q_len_padded}, {problem.num_heads // problem.num_kv_heads} query heads per kv "
+            f"head), over 75% of this chip's {info.vmem_capacity_bytes / 2**20:.0f} MiB; leave "
+            f"fused_backward None (the two kernels where it does not fit) or False.")
     return True, vmem_limit or _rows_vmem_limit(info, need)
 
 
