@@ -562,7 +562,7 @@ def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_se
     size) -> (q, k, v, do), q and do [size, D] the rows start..start + size of the q block (its
     `plan.backward_sub_block`s), k and v [bkv, D]; lse_ref, di_ref [1, bq] rows; accumulates
     into dk_sc, dv_sc [bkv, D]. With `add_dq` (the one-kernel backward), also this kv block's
-    share of dq from the tile: add_dq(start, size, ds^T [bkv, size] in q's dtype)."""
+    share of dq from the tile: add_dq(c, ds^T [bkv, sub-block] in q's dtype) for sub-block c."""
     bq, bkv = cfg.block_q_dkv, cfg.block_kv_dkv
     bqc = backward_sub_block(bq)
 
@@ -586,7 +586,7 @@ def _dkv_head(cfg: KernelConfig, j, i, read, lse_ref, di_ref, dk_sc, dv_sc, q_se
         ds_t = ds_t.astype(q.dtype)
         dk_sc[...] += product(ds_t, q)  # [bkv, D]
         if add_dq is not None:
-            add_dq(start, bqc, ds_t)
+            add_dq(c, ds_t)
 
     def compute(masked: bool):
         _sub_loop(bq // bqc, lambda c: sub_step(masked, c))
@@ -727,10 +727,8 @@ def _dqkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: Kerne
     def _transpose_k():
         kt_sc[...] = k_ref[...].astype(jnp.float32).T.astype(kt_sc.dtype)
 
-    def add_dq(start, size, ds_t):
-        n = q_block * (bq // size) + (start // size if isinstance(start, int)
-                                      else lax.div(start, size))
-        dqt_sc[gi, n] += product(kt_sc[...], ds_t)  # [D, size]
+    def add_dq(c, ds_t):
+        dqt_sc[gi, q_block * (bq // sub) + c] += product(kt_sc[...], ds_t)  # [D, sub]
 
     _dkv_steps(cfg, (q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, q_seg_ref, kv_seg_ref),
                (dk_ref, dv_ref, dk_sc, dv_sc), add_dq)

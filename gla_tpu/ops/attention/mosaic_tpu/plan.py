@@ -327,7 +327,7 @@ def kernel_config(problem, block_sizes: BlockSizes | None, interpret, *,
     # as the model counts, within 75% of the chip's VMEM. The head-major kernels keep the
     # default (on v5e the backward's kernels estimated 10-20% slower under a 96 MiB limit).
     forward_vmem_limit = vmem_limit or (
-        _rows_vmem_limit(info, rows_vmem_bytes(
+        _scoped_vmem_limit(info, rows_vmem_bytes(
             bq, bkv, bkc, problem.num_heads, problem.num_kv_heads, problem.head_dim,
             jnp.dtype(problem.dtype).itemsize, row_sums, problem.has_segments))
         if reads_rows else None)
@@ -396,7 +396,7 @@ def _fused_backward(problem, info, requested, interpret, q_len_padded: int, bq: 
             f"{q_len_padded}, {problem.num_heads // problem.num_kv_heads} query heads per kv "
             f"head), over 75% of this chip's {info.vmem_capacity_bytes / 2**20:.0f} MiB; leave "
             f"fused_backward None (the two kernels where it does not fit) or False.")
-    return True, vmem_limit or _rows_vmem_limit(info, need)
+    return True, vmem_limit or _scoped_vmem_limit(info, need)
 
 
 def _one_core_in_order(info, interpret) -> bool:
@@ -536,8 +536,9 @@ def _fit_rows_blocks(problem, bq: int, bkv: int, bkc: int, *, row_sums: bool,
             return None
 
 
-def _rows_vmem_limit(info, need: int) -> int | None:
-    """The scoped VMEM limit of the rows forward whose model counts `need` bytes (None off a
+def _scoped_vmem_limit(info, need: int) -> int | None:
+    """The scoped VMEM limit a kernel requests where its model counts `need` bytes (the rows
+    forward, the one-kernel backward): 1.5x, at most 75% of the chip's VMEM (None off a
     TPU)."""
     if info is None:
         return None

@@ -42,21 +42,14 @@ from gla_tpu.ops.common.mosaic_gpu import ring_continue, ring_drain
 
 
 def _tile_work(geo: Geometry, tiles: ForwardTiles, n_tiles: int) -> np.ndarray:
-    """The key blocks each tile (in the work list's rank order: causal longest first) visits, by
-    the bounds of blocks.kv_blocks (its lo and hi) in numpy: [n_tiles] int."""
-    rows, bkv = tiles.query_multiple, tiles.block_kv
-    n_kv = geo.padded_kv // bkv
-    left, right = geo.reach
+    """The key blocks each tile (in the work list's rank order: causal longest first) visits:
+    [n_tiles] int, from blocks.kv_blocks evaluated at trace time."""
     rank = np.arange(n_tiles)
     tile = n_tiles - 1 - rank if geo.causal else rank
-    first = tile * rows + geo.offset
-    lo = np.zeros(n_tiles, np.int64)
-    hi = np.full(n_tiles, n_kv, np.int64)
-    if left is not None:
-        lo = np.minimum(np.maximum(first - left, 0) // bkv, n_kv)
-    if right is not None:
-        hi = np.minimum(-(-np.maximum(first + rows + right, 0) // bkv), n_kv)
-    return np.maximum(hi - lo, 0)
+    with jax.ensure_compile_time_eval():
+        lo, _, _, hi = kv_blocks(geo, jnp.asarray(tile * tiles.query_multiple, jnp.int32),
+                                 tiles.query_multiple, tiles.block_kv)
+    return np.maximum(np.asarray(hi) - np.asarray(lo), 0)
 
 
 def _imbalance(work: np.ndarray, ctas: int) -> float:
