@@ -238,16 +238,18 @@ def test_halves_to_rows_reads_the_word_halves_as_tpu_packs_them():
 ])
 def test_rows_forward_equals_the_head_major_forward(case, dtype, across_rows, monkeypatch):
     """Same blocks, same arithmetic: with the rows forward the outputs and the gradients (the
-    backward is head-major either way) equal those of the head-major forward bit for bit."""
+    backward is head-major either way) equal those of the head-major forward bit for bit. o is
+    stored in 128-row chunks here, so that its store loop takes several steps."""
     import dataclasses
 
     import jax
     import numpy as np
 
-    from gla_tpu.ops.attention.mosaic_tpu import plan
+    from gla_tpu.ops.attention.mosaic_tpu import kernels, plan
     from gla_tpu.testing.problems import make_attention_inputs
 
     monkeypatch.setattr(plan, "_one_core_in_order", lambda info, interpret: across_rows)
+    monkeypatch.setattr(kernels, "_O_STORE_ROWS", 128)
 
     inputs = make_attention_inputs(case, jax.random.key(7), dtype)
     q, k, v, segment_ids = (inputs[n] for n in ("q", "k", "v", "segment_ids"))
