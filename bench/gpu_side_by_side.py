@@ -837,6 +837,9 @@ def plan_part(ctx, part, args):
         variants = parse_sizes(args.attention_sizes) if args.attention_sizes else []
         for shape in shapes:
             impls = attention_impls(shape[4], shape[3], modes, variants, ctx.ours_only)
+            if args.peers is not None:  # ours and its variants, and the peers named
+                impls = [i for i in impls if i[0].startswith("ours_pallas_gpu")
+                         or i[0] in args.peers.split(",")]
             steps.append((sum(len(m) for _, _, m in impls),
                           functools.partial(bench_attention, ctx, rng, shape, impls)))
     elif part == "attention_segments":
@@ -933,6 +936,9 @@ def main(argv=None):
                              "again)")
     parser.add_argument("--peers-only", action="store_true",
                         help="GLA: time only the peers (ours runs once for the numerics check)")
+    parser.add_argument("--peers", default=None,
+                        help="part attention: time only these peers beside ours and its "
+                        "variants (comma-separated impl names, e.g. cudnn)")
     parser.add_argument("--ours-only", action="store_true",
                         help="time only our kernels (no cuDNN, XLA, JAX's Pallas, jla or fla)")
     parser.add_argument("--with-triton", action="store_true",

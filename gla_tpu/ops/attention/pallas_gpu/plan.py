@@ -252,8 +252,17 @@ class BlockSizes:
     # come, without padding T and S to the tiles: the TMA loads past an array's end read zeros
     # and its stores past the end are dropped (T and S multiples of 8)
     mosaic_unpadded: bool = True
+    # the backward in one Mosaic GPU kernel (kernels_mosaic_backward_fused: dk, dv and dq added
+    # with the TMA unit's reduce-add, 5 products a block pair instead of 7): True insists on it
+    # (NotImplementedError where it does not apply: the Triton backward, head dim 256,
+    # mosaic_backward.block_kv != 64), False takes the dq and dk/dv kernels, None ("auto")
+    # decides by FUSED_BACKWARD_AUTO
+    fused_backward: bool | None = None
 
     def __post_init__(self):
+        if self.fused_backward is not None and not isinstance(self.fused_backward, bool):
+            raise ValueError(f"BlockSizes.fused_backward={self.fused_backward!r} must be None, "
+                             "True or False.")
         if not isinstance(self.mosaic_unpadded, bool):
             raise ValueError(f"BlockSizes.mosaic_unpadded={self.mosaic_unpadded!r} must be a bool.")
         for name in ("forward_kernel", "backward_kernel"):
@@ -359,15 +368,18 @@ def mosaic_backward_tiles(problem, sizes: BlockSizes, interpret: bool) -> Backwa
 
 
 class MosaicTiles(typing.NamedTuple):
-    """Which Mosaic GPU kernels a call runs (their tiles), None for the Triton ones."""
+    """Which Mosaic GPU kernels a call runs (their tiles), None for the Triton ones; `fused`:
+    the backward is the one-kernel Mosaic GPU backward (with `backward`'s tiles)."""
 
     forward: ForwardTiles | None
     backward: BackwardTiles | None
+    fused: bool = False
 
     @property
     def query_multiple(self) -> int:
         """What the padded query length must be a multiple of for them."""
-        return math.lcm(*[CONSUMERS * t.block_q for t in self if t is not None], 1)
+        return math.lcm(*[CONSUMERS * t.block_q for t in (self.forward, self.backward)
+                          if t is not None], 1)
 
     @property
     def key_multiple(self) -> int:
@@ -378,6 +390,67 @@ class MosaicTiles(typing.NamedTuple):
         return math.lcm(*keys, 1)
 
 
+# The head dims at which fused_backward=None takes the one-kernel backward (outside interpret
+# mode), from the H100 measurements in docs/gpu_attention.md ("One-kernel backward"): fwd+bwd
+# 0.92x / 0.92x / 0.99x the two kernels' time at D = 64 ((4,16,4096) full, (2,16,8192) full,
+# (4,16,4096) causal), 1.6x-1.8x at D = 128 (register pressure), so D = 64 only.
+FUSED_BACKWARD_AUTO_HEAD_DIMS = (64,)
+FUSED_BACKWARD_HEAD_DIMS = (64, 128)
+
+
+def fused_backward_unsupported_reason(head_dim: int, tiles: BackwardTiles | None) -> str | None:
+    """Why the one-kernel Mosaic GPU backward cannot take a problem (None when it can)."""
+    if tiles is None:
+        return "a problem the Mosaic GPU backward does not take (the Triton backward runs)"
+    if head_dim not in FUSED_BACKWARD_HEAD_DIMS:
+        return f"head dim {head_dim} (it takes {FUSED_BACKWARD_HEAD_DIMS})"
+    if tiles.block_kv != 64:
+        return (f"mosaic_backward.block_kv={tiles.block_kv} (it takes 64: its dq product "
+                "contracts over the block's 2 x 64 keys)")
+    return None
+
+
+def fused_backward_shared_memory_bytes(tiles: BackwardTiles, head_dim: int, itemsize: int = 2,
+                                       segments: bool = False) -> int:
+    """Shared memory of the one-kernel backward, buffer by buffer as
+    kernels_mosaic_backward_fused allocates it: k and v of the block's 2 x block_kv keys, the
+    ring's q, do, lse and delta, two ds^T tiles [2 x block_kv, block_q], the float32 dq staging
+    tile, the barriers (and the ids), and the forward's alignment margin."""
+    bq, bkv, stages = tiles.block_q, tiles.block_kv, tiles.stages
+    tile = head_dim * itemsize
+    n = 2 * CONSUMERS * bkv * tile + 2 * stages * bq * tile + 2 * _kib(stages * bq * 4)
+    n += 2 * CONSUMERS * bkv * bq * itemsize + bq * head_dim * 4
+    n += segments * (_kib(CONSUMERS * bkv * 4) + _kib(stages * bq * 4))
+    n += 8 * (2 * CONSUMERS + 5 * stages + 3 + segments * (CONSUMERS + stages))
+    return n + ALLOCATION_SLACK  # not compared with Mosaic GPU's count yet: keep the forward's margin
+
+
+def fused_backward(problem, sizes: BlockSizes, backward: BackwardTiles | None,
+                   interpret: bool = False) -> bool:
+    """Whether the call's backward is the one-kernel Mosaic GPU backward (BlockSizes.
+    fused_backward; None: at FUSED_BACKWARD_AUTO_HEAD_DIMS where it applies and its shared memory
+    fits, not in interpret mode)."""
+    choice = sizes.fused_backward
+    if choice is False:
+        return False
+    reason = fused_backward_unsupported_reason(problem.head_dim, backward)
+    if reason is None:
+        need = fused_backward_shared_memory_bytes(backward, problem.head_dim,
+                                                  segments=problem.has_segments)
+        if need > SHARED_MEMORY_BYTES:
+            reason = (f"mosaic_backward={backward} at head dim {problem.head_dim}: it needs "
+                      f"{need} bytes of shared memory, a Hopper block has {SHARED_MEMORY_BYTES}"
+                      " (use fewer stages)")
+    if choice is None:
+        return (reason is None and not interpret
+                and problem.head_dim in FUSED_BACKWARD_AUTO_HEAD_DIMS)
+    if reason is not None:
+        raise NotImplementedError(f"BlockSizes(fused_backward=True) cannot take {reason}; "
+                                  "fused_backward=None or False can.")
+    return True
+
+
 def mosaic_tiles(problem, sizes: BlockSizes, interpret: bool) -> MosaicTiles:
-    return MosaicTiles(mosaic_forward_tiles(problem, sizes, interpret),
-                       mosaic_backward_tiles(problem, sizes, interpret))
+    backward = mosaic_backward_tiles(problem, sizes, interpret)
+    return MosaicTiles(mosaic_forward_tiles(problem, sizes, interpret), backward,
+                       fused_backward(problem, sizes, backward, interpret))

@@ -1,7 +1,8 @@
 """custom_vjp wiring of the GPU flash attention kernels.
 
 The forward saves o and the base-2 log-sum-exp; the backward computes delta = rowsum(o * do)
-once and runs the dq and dk/dv kernels. Each side is Mosaic GPU where plan.MosaicTiles names its
+once and runs the dq and dk/dv kernels (or, with plan.MosaicTiles.fused, the one-kernel Mosaic
+GPU backward, whose float32 dq it scales and casts). Each side is Mosaic GPU where plan.MosaicTiles names its
 tiles, Triton where it holds None. Arrays are [B, T, H, D], padded to the block multiples by
 entry.py.
 """
@@ -14,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gla_tpu.ops.attention.pallas_gpu import (kernels_mosaic_backward, kernels_mosaic_forward,
+from gla_tpu.ops.attention.pallas_gpu import (kernels_mosaic_backward,
+                                              kernels_mosaic_backward_fused,
+                                              kernels_mosaic_forward,
                                               kernels_mosaic_forward_persistent)
 from gla_tpu.ops.attention.pallas_gpu import kernels_triton as kernels
 
@@ -46,7 +49,12 @@ def _attention_bwd(geo, sizes, tiles, interpret, residuals, do):
     q, k, v, q_seg, kv_seg, o, lse = residuals
     # delta_i = sum_d o_id do_id, [B, H, Tp]: one fused elementwise pass, left to XLA
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    if tiles.backward is not None:
+    if tiles.fused:
+        dq, dk, dv = kernels_mosaic_backward_fused.backward_fused(
+            q, k, v, do, lse, delta, q_seg, kv_seg, geo=geo, tiles=tiles.backward,
+            interpret=interpret)
+        dq = (dq * geo.sm_scale).astype(q.dtype)  # one fused XLA pass over the float32 dq
+    elif tiles.backward is not None:
         dq, dk, dv = mosaic_gradients(q, k, v, q_seg, kv_seg, do, lse, delta, geo,
                                       tiles.backward, interpret)
     else:
