@@ -422,7 +422,8 @@ def fused_backward_shared_memory_bytes(tiles: BackwardTiles, head_dim: int, item
     n += 2 * CONSUMERS * bkv * bq * itemsize + bq * head_dim * 4
     n += segments * (_kib(CONSUMERS * bkv * 4) + _kib(stages * bq * 4))
     n += 8 * (2 * CONSUMERS + 5 * stages + 3 + segments * (CONSUMERS + stages))
-    return n + ALLOCATION_SLACK  # not compared with Mosaic GPU's count yet: keep the forward's margin
+    # not compared with Mosaic GPU's own count yet: the forward's margin
+    return n + ALLOCATION_SLACK
 
 
 def fused_backward(problem, sizes: BlockSizes, backward: BackwardTiles | None,

@@ -2,8 +2,8 @@
 
 The forward saves o and the base-2 log-sum-exp; the backward computes delta = rowsum(o * do)
 once and runs the dq and dk/dv kernels (or, with plan.MosaicTiles.fused, the one-kernel Mosaic
-GPU backward, whose float32 dq it scales and casts). Each side is Mosaic GPU where plan.MosaicTiles names its
-tiles, Triton where it holds None. Arrays are [B, T, H, D], padded to the block multiples by
+GPU backward, whose float32 dq it scales and casts). Each side is Mosaic GPU where
+plan.MosaicTiles names its tiles, Triton where it holds None. Arrays are [B, T, H, D], padded to the block multiples by
 entry.py.
 """
 
