@@ -582,9 +582,10 @@ def test_gpu_unpadded_mosaic_equals_padded(case):
     ct = jax.random.normal(keys[3], q.shape, jnp.float32)
     outs = []
     for unpadded in (False, True):
+        # the two backward kernels: the one kernel's dq sums in no fixed order (not bit-equal)
         sizes = dataclasses.replace(default_block_sizes(case.head_dim, BF16),
                                     forward_kernel="mosaic_gpu", backward_kernel="mosaic_gpu",
-                                    mosaic_unpadded=unpadded)
+                                    mosaic_unpadded=unpadded, fused_backward=False)
 
         def loss(q, k, v, sizes=sizes):
             o = ops.flash_attention(q, k, v, **case.options(), backend="pallas_gpu",
@@ -866,8 +867,15 @@ def test_fused_backward_interpret_parity(case, tiles, dtype):
                            interpret=True, block_sizes=sizes)
 
 
+# Every D = 64 case (the default takes the one kernel there) and the D = 128 ones up to T = 1500:
+# the float64 references of the B2 T4096 D128 cases, beside test_gpu_parity's, ran the GPU out of
+# memory with 4 workers.
+FUSED_GPU_CASES = [c for c in GPU_CASES
+                   if c.head_dim == 64 or (c.head_dim == 128 and c.q_len <= 1500)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c.head_dim != 256], ids=str)
+@pytest.mark.parametrize("case", FUSED_GPU_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_gpu_fused_backward_parity(case, dtype):
     """The Mosaic GPU forward and the one-kernel backward (TMA reduce-add of dq)."""
