@@ -381,6 +381,27 @@ def test_lowers_to_one_mosaic_and_two_triton_kernels(head_dim, causal):
     assert text.count("xla.gpu.triton") == 2  # dq, dkv
 
 
+def _gradient_lowered_for_cuda(head_dim, causal, segments, options, **sizes) -> str:
+    """The StableHLO text of the gradient of flash_attention on Mosaic GPU kernels (B2, T 1000,
+    S 1100, H4, Hkv2, bfloat16) lowered for CUDA, with `sizes` replaced in the defaults."""
+    q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
+    ids_q = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+    ids_kv = jax.ShapeDtypeStruct((2, 1100), jnp.int32)
+    block_sizes = dataclasses.replace(default_block_sizes(head_dim, jnp.bfloat16),
+                                      forward_kernel="mosaic_gpu", backward_kernel="mosaic_gpu",
+                                      **sizes)
+
+    def loss(q, k, v, sq, skv):
+        o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu",
+                                block_sizes=block_sizes,
+                                segment_ids=(sq, skv) if segments else None, **options)
+        return jnp.sum(o.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids_q, ids_kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("head_dim,causal,tiles,segments,options", [
     (64, True, BackwardTiles(), False, {}), (128, False, BackwardTiles(64, 128, 2), False, {}),
     (256, True, BackwardTiles(64, 32, 2), True, {}), (64, False, BackwardTiles(), True, {}),
@@ -392,21 +413,8 @@ def test_lowers_to_three_mosaic_kernels(head_dim, causal, tiles, segments, optio
     """Forward, dq and dk/dv through Mosaic GPU's lowering for CUDA (layout inference, wgmma
     shapes, shared-memory transforms, the shared-memory budget), GQA and padded lengths; with a
     window and a soft cap."""
-    q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
-    ids_q = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
-    ids_kv = jax.ShapeDtypeStruct((2, 1100), jnp.int32)
-    sizes = dataclasses.replace(default_block_sizes(head_dim, jnp.bfloat16),
-                                forward_kernel="mosaic_gpu", backward_kernel="mosaic_gpu",
-                                mosaic_backward=tiles, fused_backward=False)
-
-    def loss(q, k, v, sq, skv):
-        o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes,
-                                segment_ids=(sq, skv) if segments else None, **options)
-        return jnp.sum(o.astype(jnp.float32))
-
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids_q, ids_kv).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = _gradient_lowered_for_cuda(head_dim, causal, segments, options,
+                                      mosaic_backward=tiles, fused_backward=False)
     assert text.count("custom_call @mosaic_gpu") == 3
     assert text.count("xla.gpu.triton") == 0
 
@@ -790,21 +798,8 @@ FUSED = BackwardTiles(64, 64, 2)
 def test_fused_backward_lowers_to_two_mosaic_kernels(head_dim, causal, segments, options):
     """Forward and the one-kernel backward through Mosaic GPU's lowering for CUDA, GQA, padded
     lengths; the dq partials go out with a TMA reduce-add."""
-    q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 1100, 2, head_dim), jnp.bfloat16)
-    ids_q = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
-    ids_kv = jax.ShapeDtypeStruct((2, 1100), jnp.int32)
-    sizes = dataclasses.replace(default_block_sizes(head_dim, jnp.bfloat16),
-                                forward_kernel="mosaic_gpu", backward_kernel="mosaic_gpu",
-                                mosaic_backward=FUSED, fused_backward=True)
-
-    def loss(q, k, v, sq, skv):
-        o = ops.flash_attention(q, k, v, causal=causal, backend="pallas_gpu", block_sizes=sizes,
-                                segment_ids=(sq, skv) if segments else None, **options)
-        return jnp.sum(o.astype(jnp.float32))
-
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids_q, ids_kv).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = _gradient_lowered_for_cuda(head_dim, causal, segments, options,
+                                      mosaic_backward=FUSED, fused_backward=True)
     assert text.count("custom_call @mosaic_gpu") == 2
     assert "cp.reduce.async.bulk.tensor" in text
 

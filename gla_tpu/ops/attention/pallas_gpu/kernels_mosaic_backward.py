@@ -445,6 +445,30 @@ def backward_dq(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geomet
     return dq[0] if parts == 1 else dq
 
 
+def produce_query_blocks(sources, buffers, ready, free, *, batch, kv_head, first_block,
+                         per_head: int, group: int, bq: int, stages: int):
+    """The producer warpgroup of a kv-major backward kernel (dk/dv, and the one-kernel
+    backward): streams, for each head of the kv head's query group and each of its per_head
+    query blocks from first_block, the block's q and do rows, its lse and delta, and (sources'
+    last, None without segment ids) its query ids into the `stages`-slot rings `buffers`, each
+    copy arriving on its barrier in `ready`; `free` holds the consumers' release barrier.
+    sources: (q, do [B, T, H, D], lse, delta [B, H, T], q ids [B, T] or None) refs in HBM."""
+    q_ref, do_ref, lse_ref, delta_ref, q_seg_ref = sources
+
+    def load(step, slot):
+        head = kv_head * group + lax.div(step, per_head)
+        block = first_block + lax.rem(step, per_head)
+        rows = (batch, pl.ds(block * bq, bq), head)
+        vec = (batch, head, pl.ds(block * bq, bq))
+        srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
+        if q_seg_ref is not None:
+            srcs.append(q_seg_ref.at[batch, pl.ds(block * bq, bq)])
+        for src, dst, barrier in zip(srcs, buffers, ready, strict=True):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
+
+    ring_producer(load, steps=group * per_head, stages=stages, free=(free,))
+
+
 def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geometry,
                  tiles: BackwardTiles, interpret, parts: int = 1):
     """(dk, dv) [B, Sp, Hkv, D] in k's dtype, summed over each kv head's query group; segment ids
@@ -505,22 +529,11 @@ def backward_dkv(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geome
         @pl.when(wg == CONSUMERS)
         def _():
             plgpu.set_max_registers(40, action="decrease")
-
-            def load(step, slot):
-                head = kv_head * geo.group + lax.div(step, per_head)
-                block = first_block + lax.rem(step, per_head)
-                rows = (batch, pl.ds(block * bq, bq), head)
-                vec = (batch, head, pl.ds(block * bq, bq))
-                copies = [(q_ref.at[rows], q_smem, q_ready), (do_ref.at[rows], do_smem, do_ready),
-                          (lse_ref.at[vec], lse_smem, lse_ready),
-                          (delta_ref.at[vec], delta_smem, delta_ready)]
-                if segments:
-                    copies.append((q_seg_ref.at[batch, pl.ds(block * bq, bq)], q_seg_smem,
-                                   q_seg_ready))
-                for src, dst, barrier in copies:
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
-
-            ring_producer(load, steps=geo.group * per_head, stages=stages, free=(q_free,))
+            produce_query_blocks(
+                (q_ref, do_ref, lse_ref, delta_ref, q_seg_ref if segments else None),
+                (q_smem, do_smem, lse_smem, delta_smem) + ((q_seg_smem,) if segments else ()),
+                ready, q_free, batch=batch, kv_head=kv_head, first_block=first_block,
+                per_head=per_head, group=geo.group, bq=bq, stages=stages)
 
     scratch = _own_scratch(own_rows, d, k.dtype, n_vectors=0, owners=owners) + [
         *[plgpu.SMEM((stages, bq, d), q.dtype, transforms=SWIZZLED) for _ in range(2)],

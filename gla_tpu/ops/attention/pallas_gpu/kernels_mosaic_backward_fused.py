@@ -45,13 +45,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from gla_tpu.ops.attention.pallas_gpu.blocks import q_blocks, visibility_mask, walk
 from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_backward import (_accumulate, _iota,
                                                                      _load_own, _products,
-                                                                     _take, _write_parts)
+                                                                     _take, _write_parts,
+                                                                     produce_query_blocks)
 from gla_tpu.ops.attention.pallas_gpu.kernels_mosaic_forward import (check_padded_lengths,
                                                                     warp_specialized_kernel)
 from gla_tpu.ops.attention.pallas_gpu.plan import (CONSUMERS, BackwardTiles, Geometry,
                                                   fused_backward_unsupported_reason)
 from gla_tpu.ops.attention.scores import base2_scores
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_F32, ring_producer
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_F32
 
 def _dk_dv_together(acc_dk, dst16, q_ref, acc_dv, pt16, do_ref, in_place: bool):
     """(acc_dk + dst16 @ q_ref, acc_dv + pt16 @ do_ref), both issued before one wait."""
@@ -244,22 +245,11 @@ def backward_fused(q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, geo: Geo
         @pl.when(wg == CONSUMERS)
         def _():
             plgpu.set_max_registers(40, action="decrease")
-
-            def load(step, slot):
-                head = kv_head * geo.group + lax.div(step, per_head)
-                block = first_block + lax.rem(step, per_head)
-                rows = (batch, pl.ds(block * bq, bq), head)
-                vec = (batch, head, pl.ds(block * bq, bq))
-                copies = [(q_ref.at[rows], q_smem, q_ready), (do_ref.at[rows], do_smem, do_ready),
-                          (lse_ref.at[vec], lse_smem, lse_ready),
-                          (delta_ref.at[vec], delta_smem, delta_ready)]
-                if segments:
-                    copies.append((q_seg_ref.at[batch, pl.ds(block * bq, bq)], q_seg_smem,
-                                   q_seg_ready))
-                for src, dst, barrier in copies:
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
-
-            ring_producer(load, steps=geo.group * per_head, stages=stages, free=(q_free,))
+            produce_query_blocks(
+                (q_ref, do_ref, lse_ref, delta_ref, q_seg_ref if segments else None),
+                (q_smem, do_smem, lse_smem, delta_smem) + ((q_seg_smem,) if segments else ()),
+                ready, q_free, batch=batch, kv_head=kv_head, first_block=first_block,
+                per_head=per_head, group=geo.group, bq=bq, stages=stages)
 
     keys = CONSUMERS * bkv
     scratch = [
