@@ -222,8 +222,8 @@ def _fwd_rows_kernel(q_hbm, k_hbm, v_hbm, *refs, cfg: KernelConfig):
     at row t * H + h (the [B, Tp, H, 128] input by a free reshape), k and v likewise with Hkv
     heads, in HBM; grid (b, i, j). The kernel fetches their blocks itself (`rows.RowStream`: q's
     per q block, k's and v's per kv block) and runs the heads in a loop, each on strided row
-    reads; o is gathered in float32 by strided row writes and stored once, token-major. The
-    state scratch has a leading head axis."""
+    reads; o is gathered in float32 by strided row writes and stored token-major in 512-row
+    chunks by a loop (`_O_STORE_ROWS`). The state scratch has a leading head axis."""
     q_seg_ref, kv_seg_ref, refs = _segment_refs(cfg, refs)
     o_ref, lse_ref, m_sc, acc_sc, sums_sc, o_sc, *stream_refs = refs
     bq, bkv = cfg.block_q, cfg.block_kv
