@@ -19,6 +19,7 @@ these base-2 units, lse in natural ones.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +260,8 @@ def _fwd_rows_kernel(q_hbm, k_hbm, v_hbm, *refs, cfg: KernelConfig):
                               sums_sc if cfg.row_sum_on_mxu else sums_sc.at[h])
 
         rows.each_head(h_q, head_step)
-        size = min(_O_STORE_ROWS, bq * h_q)
+        # a divisor of bq * H (a multiple of 128: bq is), e.g. 256 at bq = 128, H = 6
+        size = math.gcd(_O_STORE_ROWS, bq * h_q)
 
         def store(c):  # o in the output's dtype, a loop over chunks of rows (code of one)
             chunk = pl.ds(_sub_start(c, size), size)
@@ -268,9 +270,10 @@ def _fwd_rows_kernel(q_hbm, k_hbm, v_hbm, *refs, cfg: KernelConfig):
         _sub_loop(bq * h_q // size, store)
 
 
-# Rows of o that the rows forward casts and stores per step of its last loop: the kernel's code
-# stays that of one chunk (storing o's bq * H rows at once cost 5-17% of the forward's compile
-# time at bq = 1024; the loop, 0.1-0.2% of its estimated cycles). bq * H is a multiple: bq is.
+# Rows of o that the rows forward casts and stores per step of its last loop, at most (the
+# greatest common divisor with bq * H): the kernel's code stays that of one chunk (storing o's
+# bq * H rows at once cost 6-16% of the forward's compile time at bq = 1024; the loop, 0.1-0.2%
+# of its estimated cycles).
 _O_STORE_ROWS = 512
 
 
