@@ -130,7 +130,8 @@ def _grouped(q, k, v, beta, g):
 def training_parts(bench, shape, gate, beta, args):
     """Where "pallas_gpu"'s forward+backward goes: the XLA WY operands (forward, and forward +
     backward against random cotangents), the state passes on them (forward + backward), and of
-    those the training forward, the reversed pass and the per-chunk cotangents in XLA."""
+    those the training forward, the reversed pass and the per-chunk cotangents; with per-head
+    gates or none also the kernel's operands with their own backward (what the op runs)."""
     from gla_tpu.ops.delta_rule.pallas_gpu import entry, vjp
 
     rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
@@ -186,6 +187,19 @@ def training_parts(bench, shape, gate, beta, args):
                                             kernel=passes.cotangents_kernel),
          (do, residuals[6], du, hi, lo, dh_hi, dh_lo, last, term)),
     ]
+    if problem.gate_kind != "key" and entry.kernel_operands_take(problem):
+        from gla_tpu.ops.delta_rule.pallas_gpu import operands as wy
+
+        def kernel_operands_loss(*xs):
+            it = iter(xs)
+            full = [None if x is None else next(it) for x in grouped]
+            outs = wy.wy_operands(*full, problem=problem, interpret=False)
+            return sum(jnp.sum(o.astype(jnp.float32) * jax.lax.optimization_barrier(
+                jnp.ones(o.shape, jnp.float32))) for o in outs)
+
+        timed.append(("ours_part_kernel_operands", "fwd+bwd",
+                      jax.grad(kernel_operands_loss, argnums=tuple(range(len(differentiable)))),
+                      differentiable))
     for impl, mode, fn, xs in timed:
         try:
             rec(impl=impl, mode=mode, timing=time_jax(fn, *xs),

@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from bench.gpu_delta_rule import _grouped, inputs, ours  # noqa: E402
 from bench.harness import environment, time_jitted, write_json  # noqa: E402
 from gla_tpu.ops.delta_rule.pallas_gpu import entry, vjp  # noqa: E402
+from gla_tpu.ops.delta_rule.pallas_gpu import operands as wy_inputs  # noqa: E402
 from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands as kmo  # noqa: E402
 
 SHAPES = {"qwen3": ("gated_deltanet", 2, 8192, 16, 32, 128, 128),
@@ -87,7 +88,7 @@ def measure(name, shape, record, interpret=False):
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(beta)]
     args.append(None if g is None else jnp.asarray(g))
     problem, grouped = _grouped(*args)
-    kernel_inputs = entry._kernel_inputs(*grouped, problem)
+    kernel_inputs = wy_inputs.kernel_inputs(*grouped, problem)
 
     def operands(*xs):
         return kmo.wy_operands(*xs, group=problem.group, scale=problem.scale,

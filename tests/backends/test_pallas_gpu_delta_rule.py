@@ -11,12 +11,14 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from gla_tpu import ops
 from gla_tpu.ops.common import backends
-from gla_tpu.ops.delta_rule.pallas_gpu import entry, vjp
+from gla_tpu.ops.delta_rule.pallas_gpu import entry, operands, vjp
+from gla_tpu.ops.delta_rule.validation import DeltaRuleProblem
 from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_state
 from gla_tpu.testing import DeltaRuleCase as C
 from gla_tpu.testing.gpu_lowering import hopper_target
@@ -104,12 +106,13 @@ def test_interpreter_fused_recurrent_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
-@pytest.mark.parametrize("gate,grad_kernels", [("head", 3), ("key", 2)])
+@pytest.mark.parametrize("gate,grad_kernels", [("head", 4), ("key", 2)])
 def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, grad_kernels):
     """The forward is two Mosaic GPU kernels (the WY operands, the state pass). The gradient of
-    every input runs the training forward's state pass (its operands from XLA) and the reversed
-    pass, and with per-head gates a third for the per-chunk cotangents (per-key gates take
-    XLA's: vjp.Passes.cotangents_kernel)."""
+    every input runs the training forward's state pass and the reversed pass; with per-head
+    gates also the WY operands kernel (which then writes T for the operands' own backward) and
+    the per-chunk cotangents kernel, while per-key gates take their operands and the per-chunk
+    cotangents from XLA (vjp.Passes.cotangents_kernel)."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
     s = jax.ShapeDtypeStruct
     q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)
@@ -164,7 +167,8 @@ def test_gradient_lowers_at_value_tiles_of_64(monkeypatch, key_dim):
     with hopper_target():
         text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, v, beta, g)
                 .lower(lowering_platforms=("cuda",)).as_text())
-    assert text.count("custom_call @mosaic_gpu") == 3
+    # the WY operands (with T), the training and reversed state passes, the per-chunk cotangents
+    assert text.count("custom_call @mosaic_gpu") == 4
 
 
 @pytest.mark.parametrize("kind", ["forward", "training", "reversed"])
@@ -299,3 +303,60 @@ def test_gpu_auto_runs_pallas_gpu_without_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ops.delta_rule(q, q, q, jnp.full((1, 200, 2), 0.5, F32), mode="chunk")
+
+
+@pytest.mark.parametrize("gate", ["head", "none"])
+def test_operands_backward_matches_autodiff_of_xla_operands(gate):
+    """The WY operands' own backward (operands.operands_backward, what the kernel's operands take
+    under differentiation) against autodiff of the "xla" backend's operands in the same
+    token-major layout, in float64 with T inverted exactly: grouped value heads, two chunks with
+    a partial last one, strong per-head gates. The backward's arithmetic is float32, hence the
+    bound."""
+    b, t, h, grp, kd, vd, c = 2, 100, 2, 2, 64, 64, operands.CHUNK
+    hv = h * grp
+    rng = np.random.default_rng(5)
+    q, k = (rng.standard_normal((b, t, h, kd)) for _ in range(2))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = rng.standard_normal((b, t, h, grp, vd))
+    beta = 2.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h, grp))))
+    g = (-np.logaddexp(0.0, -rng.standard_normal((b, t, h, grp, 1))) * 4 if gate == "head"
+         else None)
+    problem = DeltaRuleProblem(
+        batch=b, seq_len=t, num_heads=h, num_value_heads=hv, key_dim=kd, value_dim=vd,
+        gate_kind=gate, scale=0.3, mode="chunk", chunk_size=c, has_initial_state=False,
+        output_final_state=True, has_segments=False, use_qk_l2norm=False,
+        dtype=jnp.dtype(jnp.float64))
+    with jax.enable_x64(True):
+        inputs = [None if x is None else jnp.asarray(x) for x in (q, k, v, beta, g)]
+
+        def xla_operands(*xs):
+            (k_out, u0, last, _, q_in, scores, w_neg, _), _ = entry.kernel_operands(
+                *xs, None, problem=problem)
+            return scores, q_in, k_out, w_neg, u0, last
+
+        outs, pullback = jax.vjp(xla_operands, *inputs)
+        cts = tuple(jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in outs)
+        expected = pullback(cts)
+        qp, kp, vp, bp, gp = operands.padded_inputs(*inputs, problem)
+        tp = qp.shape[1]
+        n = tp // c
+        # T = (I + A)^-1 per chunk and value head: A_rx = beta_r k_r . k_x e^(b_r - b_x), x < r
+        kc = np.repeat(np.asarray(kp).reshape(b, n, c, h, 1, kd), grp, 4).reshape(b, n, c, hv, kd)
+        b_sums = np.cumsum(np.asarray(gp).reshape(b, n, c, hv), axis=2)
+        decays = np.exp(b_sums[:, :, :, None] - b_sums[:, :, None, :])  # [B, N, r, x, HV]
+        a = (np.einsum("bnrhk,bnxhk->bnrxh", kc, kc) * decays
+             * np.asarray(bp).reshape(b, n, c, 1, hv))
+        a = np.where(np.tril(np.ones((c, c)), -1)[None, None, :, :, None] > 0, a, 0.0)
+        inverse = np.linalg.inv(np.eye(c) + np.moveaxis(a, 4, 2))  # [B, N, HV, r, x]
+        inverse = jnp.asarray(np.moveaxis(inverse, 2, 3).reshape(b, tp, hv, c))
+        scores, _, _, w_neg, u0, _ = outs
+        got = operands.operands_backward(qp, kp, vp, bp, gp, scores, w_neg, u0, inverse, cts,
+                                         scale=problem.scale, with_gates=gate == "head")
+    got = [got[0][:, :t], got[1][:, :t], got[2][:, :t].reshape(b, t, h, grp, vd),
+           got[3][:, :t].reshape(b, t, h, grp),
+           None if got[4] is None else got[4][:, :t].reshape(b, t, h, grp, 1)]
+    for name, x, y in zip(("dq", "dk", "dv", "dbeta", "dg"), got, expected):
+        assert (x is None) == (y is None), name
+        if y is not None:
+            err = float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / np.max(np.abs(y)))
+            assert err < 1e-6, (name, err)

@@ -7,8 +7,10 @@ Mode "chunk" on a Hopper GPU (or the Mosaic GPU interpreter on CPU). The forward
 kernels: the per-chunk WY operands (kernels_mosaic_operands.py: decayed scores, the inverse,
 w and u0, q_in and k_out; every exponent a range sum <= 0), then GLA's state pass with
 Pass.delta, which walks the chunks once with the state in registers and writes the outputs
-(vjp.py). Under differentiation the operands come from the "xla" backend's `chunk_operands`
-instead, whose autodiff takes the state passes' cotangents back to the inputs. Padding: T to a
+(vjp.py). Under differentiation, per-head gates and none keep the kernel's operands (it then
+also writes each chunk's T) and take them back to the inputs by their own backward in XLA
+(operands.py); per-key gates take the operands from the "xla" backend's `chunk_operands`, whose
+autodiff carries the state passes' cotangents back to the inputs. Padding: T to a
 multiple of 64 (tokens of beta = 0, g = 0), K to 64 or 128 and V to a multiple of 64 (operands
 kernel) or of the value tile (zero keys and values: the state's padded rows and columns stay
 zero). Segment starts are gates at the floor on every key, as in "xla".
@@ -26,7 +28,7 @@ from gla_tpu.ops.common.capabilities import ANY_DIM, DELTA_RULE_FEATURES, Capabi
 from gla_tpu.ops.common.padding import pad_last, pad_time
 from gla_tpu.ops.common.segments import segment_index, token_starts
 from gla_tpu.ops.delta_rule import xla
-from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands, vjp
+from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands, operands, vjp
 from gla_tpu.ops.delta_rule.validation import GATE_KINDS
 from gla_tpu.ops.gla.pallas_gpu import kernels_recurrent
 from gla_tpu.ops.gla.pallas_gpu.plan import MAX_RECURRENT_T
@@ -48,10 +50,10 @@ CAPABILITIES = Capabilities(
     chunk_sizes=(CHUNK,),
     notes="fused_recurrent (T <= 16, V <= 512): a token-by-token kernel for decoding, the "
           "state read once and written once (Triton lowering); chunk: the per-chunk WY "
-          "operands in a Mosaic GPU kernel (forward; in XLA under differentiation), then "
-          "one Mosaic GPU state pass over the chunks (state in registers, outputs fused), "
-          "forward and reversed; the backward's per-chunk cotangents in a Mosaic GPU kernel "
-          "(per-head and no gates, K and V up to 128), the operands' backward in XLA",
+          "operands in a Mosaic GPU kernel (per-key gates: in XLA under differentiation), "
+          "then one Mosaic GPU state pass over the chunks (state in registers, outputs "
+          "fused), forward and reversed; the backward's per-chunk cotangents in a Mosaic GPU "
+          "kernel (per-head and no gates, K and V up to 128), the operands' backward in XLA",
 )
 
 
@@ -174,68 +176,47 @@ def _recurrence_bwd(problem, interpret, residuals, cotangents):
 _recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 
-def _key_width(kd: int) -> int:
-    """K as the kernels take it: 64 or 128."""
-    return 64 if kd <= 64 else MAX_KEY_DIM
-
-
-def _kernel_value_width(vd: int) -> int:
-    """V as the WY operands kernel takes it: a multiple of its 64-column slabs."""
-    slab = kernels_mosaic_operands.SLAB
-    return -(-vd // slab) * slab
-
-
 def kernel_operands_take(problem) -> bool:
     """Whether the WY operands kernel takes the problem (its padded V at most 256)."""
-    return _kernel_value_width(problem.value_dim) <= kernels_mosaic_operands.MAX_VALUE_DIM
+    return operands.value_width(problem.value_dim) <= kernels_mosaic_operands.MAX_VALUE_DIM
 
 
 def wy_kernel_operands(q, k, v_, beta, gates, *, problem, interpret):
     """The Mosaic GPU kernel's WY operands (`kernels_mosaic_operands.wy_operands`: scores, q_in,
     k_out, w_neg, u0, last) for grouped inputs (`xla.grouped_inputs`), padded to its widths."""
-    return kernels_mosaic_operands.wy_operands(
-        *_kernel_inputs(q, k, v_, beta, gates, problem), group=problem.group,
-        scale=problem.scale, interpret=interpret)
+    return operands.kernel_operands(q, k, v_, beta, gates, problem=problem, interpret=interpret)
 
 
-def _kernel_inputs(q, k, v_, beta, gates, problem):
-    """Grouped inputs as the WY operand kernels take them: q, k [B, Tp, H, Kp] and v
-    [B, Tp, HV, Vp] in the input dtype, beta [B, Tp, HV] and the gates ([B, Tp, HV] per head,
-    zeros for none; [B, Tp, HV, Kp] per key) float32."""
-    b, t, _, kd = q.shape
-    hv = problem.num_value_heads
-    dtype = jnp.dtype(problem.dtype)
-    kp, vp = _key_width(kd), _kernel_value_width(problem.value_dim)
-
-    def padded(x, width):  # [B, T, ...] -> [B, Tp, HV|H, width] (zeros after)
-        return pad_last(pad_time(x.reshape(b, t, -1, x.shape[-1]), CHUNK), width)
-
-    beta_p = pad_time(beta.reshape(b, t, hv), CHUNK)
-    if gates is None:
-        gates_p = jnp.zeros(beta_p.shape, jnp.float32)
-    elif gates.shape[-1] == 1:  # per head
-        gates_p = pad_time(gates.reshape(b, t, hv), CHUNK)
-    else:
-        gates_p = padded(gates, kp)
-    return (padded(q, kp).astype(dtype), padded(k, kp).astype(dtype),
-            padded(v_, vp).astype(dtype), beta_p, gates_p.astype(jnp.float32))
-
-
-# The forward alone takes the operands from the Mosaic GPU kernel. Under differentiation they come
-# from XLA ("xla"'s chunk_operands), whose autodiff carries the state passes' cotangents back to
-# the inputs.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
-    state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel."""
+    state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel. Differentiated:
+    per-head gates and none by the operands' own backward (operands.py), per-key gates by
+    autodiff of XLA's operands (`_key_gate_operands_and_passes`)."""
+    if problem.gate_kind == "key":
+        return _key_gate_operands_and_passes(q, k, v_, beta, gates, initial_state, problem,
+                                             interpret)
+    wy = operands.wy_operands(q, k, v_, beta, gates, problem=problem, interpret=interpret)
+    return _passes_on_kernel_operands(wy, initial_state, problem, interpret, q.shape[0])
+
+
+def _passes_on_kernel_operands(wy, initial_state, problem, interpret, batch):
+    """The state passes on the kernel's operands (scores, q_in, k_out, w_neg, u0, last)."""
     vd = problem.value_dim
-    scores, q_in, k_out, w_neg, u0, last = wy_kernel_operands(q, k, v_, beta, gates,
-                                                              problem=problem, interpret=interpret)
-    s0 = _padded_state(initial_state, _key_width(problem.key_dim), _kernel_value_width(vd))
+    scores, q_in, k_out, w_neg, u0, last = wy
+    s0 = _padded_state(initial_state, operands.key_width(problem.key_dim),
+                       operands.value_width(vd))
     o, final = vjp.state_passes(k_out, u0, last, s0, q_in, scores, w_neg,
-                                jnp.dtype(problem.dtype), _passes(q.shape[0], problem),
-                                interpret)
+                                jnp.dtype(problem.dtype), _passes(batch, problem), interpret)
     return o[..., :vd], final[..., :vd]
+
+
+# Per-key gates: the forward alone takes the operands from the Mosaic GPU kernel; under
+# differentiation they come from XLA ("xla"'s chunk_operands), whose autodiff carries the state
+# passes' cotangents back to the inputs.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _key_gate_operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
+    wy = wy_kernel_operands(q, k, v_, beta, gates, problem=problem, interpret=interpret)
+    return _passes_on_kernel_operands(wy, initial_state, problem, interpret, q.shape[0])
 
 
 def _passes(batch, problem):
@@ -243,7 +224,7 @@ def _passes(batch, problem):
     would not fit shared memory; the per-chunk cotangents kernel unless the gates are per key."""
     passes = vjp.Passes(block_v=value_tile(batch, problem.num_value_heads, problem.value_dim),
                         cotangents_kernel=problem.gate_kind != "key")
-    return passes.fitted(_key_width(problem.key_dim), jnp.dtype(problem.dtype))
+    return passes.fitted(operands.key_width(problem.key_dim), jnp.dtype(problem.dtype))
 
 
 def _padded_state(initial_state, kp: int, vp: int):
@@ -263,17 +244,17 @@ def _passes_on_xla_operands(q, k, v_, beta, gates, initial_state, problem, inter
     return o[..., :vd], final[..., :vd]
 
 
-def _operands_and_passes_fwd(q, k, v_, beta, gates, initial_state, problem, interpret):
+def _key_gate_fwd(q, k, v_, beta, gates, initial_state, problem, interpret):
     return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
                                      interpret=interpret),
                    q, k, v_, beta, gates, initial_state)
 
 
-def _operands_and_passes_bwd(problem, interpret, pullback, cotangents):
+def _key_gate_bwd(problem, interpret, pullback, cotangents):
     return pullback(cotangents)  # XLA's
 
 
-_operands_and_passes.defvjp(_operands_and_passes_fwd, _operands_and_passes_bwd)
+_key_gate_operands_and_passes.defvjp(_key_gate_fwd, _key_gate_bwd)
 
 
 def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
@@ -288,7 +269,7 @@ def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):
     tp = q.shape[1]
     n = tp // CHUNK
     ops = xla.chunk_operands(q, k, v_, beta, gates, CHUNK, dtype)
-    kp = _key_width(kd)
+    kp = operands.key_width(kd)
     passes = _passes(b, problem)
     vp = -(-vd // passes.block_v) * passes.block_v  # every pass's tile divides it
 

@@ -124,12 +124,14 @@ def _unit_lower_inverse(a, t_smem, y_smem, *, interpret: bool):
 
 
 def _tail(kd, vd, dtype, t, beta_rows, decays, smem, outs, tokens, last_at, *, scale,
-          interpret):
+          interpret, inverse=None):
     """What follows T: q_in, beta k e^b and b_last (decays.prefix(s) -> (e^b [C, SLAB], b_last
     [SLAB]) of key slab s, after decays.prefix_ready()), w_neg = -T (beta k e^b), u0 = T beta v,
     then k_out (decays.suffix(s) -> e^(b_last - b) [C, SLAB], after decays.suffix_ready()); each
     through shared memory (smem: q, k, v, kb, w, last) to its output (outs, in that order: q_in,
-    k_out, w_neg, u0, last; `tokens` index the first four, last_at(s) the last)."""
+    k_out, w_neg, u0, last; `tokens` index the first four, last_at(s) the last). `inverse`:
+    (M's shared-memory buffer, T's output) to also write T rounded to the input dtype, through M's
+    buffer once M's copy has read it."""
     c = CHUNK
     slabs, v_slabs = kd // SLAB, vd // SLAB
     q_smem, k_smem, v_smem, kb_smem, w_smem, last_s = smem
@@ -159,6 +161,9 @@ def _tail(kd, vd, dtype, t, beta_rows, decays, smem, outs, tokens, last_at, *, s
         u0 = matmul([(t_in, v_smem.at[:, span])], (c, SLAB), interpret=interpret)
         plgpu.commit_smem()  # every warp is past the product reading this slab
         v_smem.at[:, span][...] = u0.astype(dtype)
+    if inverse is not None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # M's copy is past M's buffer
+        inverse[0][...] = t_in
     decays.suffix_ready()
     for s in range(slabs):
         span = pl.ds(s * SLAB, SLAB)
@@ -166,6 +171,8 @@ def _tail(kd, vd, dtype, t, beta_rows, decays, smem, outs, tokens, last_at, *, s
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(v_smem, u0_ref.at[tokens])
     plgpu.copy_smem_to_gmem(k_smem, k_out_ref.at[tokens])
+    if inverse is not None:
+        plgpu.copy_smem_to_gmem(inverse[0], inverse[1].at[tokens])
     for s in range(slabs):
         plgpu.copy_smem_to_gmem(w_smem.at[s], w_ref.at[tokens + (pl.ds(s * SLAB, SLAB),)])
     plgpu.wait_smem_to_gmem(0)
@@ -217,12 +224,15 @@ def _head_gate_sums(g_vec):
     return b, after, jnp.sum(g_by_col, axis=1)
 
 
-def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret):
+def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret,
+                with_inverse: bool = False):
     """q, k [B, Tp, H, K] and v [B, Tp, HV, V] (16-bit, one dtype; Tp a multiple of 64, K of 64
     up to 128, V of 64 up to 256; HV = H * group), beta [B, Tp, HV] float32, g float32 log gates
     [B, Tp, HV, K] (per key) or [B, Tp, HV] (per head; zeros for none) -> (scores [B, Tp, HV, C],
     q_in, k_out, w_neg [B, Tp, HV, K], u0 [B, Tp, HV, V] in the input dtype, last [B, N, HV, K]
-    float32): the module docstring's operands, token-major."""
+    float32): the module docstring's operands, token-major. `with_inverse` (per-head gates and
+    none) adds T = (I + A)^-1 [B, Tp, HV, C] (each chunk's rows) rounded to the input dtype, as w
+    and u0 take it: the operands' backward reads it."""
     bsz, tp, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     c, dtype = CHUNK, q.dtype
@@ -232,12 +242,17 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret):
                          f"of {SLAB}, K <= {MAX_KEY_DIM}, V <= {MAX_VALUE_DIM}")
     levels = pair_levels.num_levels(c)
     per_head = g.ndim == 3
+    if with_inverse and not per_head:
+        raise ValueError("with_inverse takes per-head gates (or none, as zeros)")
     # beta k e^b and w: in T's and A_L T's buffers where they are bfloat16 ([2, C, C] holds
     # [slabs, C, SLAB] as C = SLAB), else buffers of their own
     shared_kb = per_head and jnp.dtype(dtype) == jnp.dtype(BF16)
 
     def body(q_ref, k_ref, v_ref, beta_ref, g_ref, *refs):
+        t_ref = None
         if per_head:
+            if with_inverse:
+                t_ref, *refs = refs
             (m_ref, q_in_ref, k_out_ref, w_ref, u0_ref, last_ref, q_smem, k_smem, v_smem,
              gu_smem, t_smem, y_smem, m_smem, last_s, beta_vec, g_vec, loaded, *kb_w) = refs
         else:
@@ -304,7 +319,8 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret):
               (q_smem, k_smem, v_smem, kb_smem, w_smem, last_s),
               (q_in_ref, k_out_ref, w_ref, u0_ref, last_ref), tokens,
               lambda ref, s: ref.at[batch, chunk, head, pl.ds(s * SLAB, SLAB)],
-              scale=scale, interpret=interpret)
+              scale=scale, interpret=interpret,
+              inverse=None if t_ref is None else (m_smem, t_ref))
 
     tiles = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=SWIZZLED)
     scratch = [tiles((c, kd)), tiles((c, kd)), tiles((c, vd))]  # q (q_in), k (k_out), v (u0)
@@ -333,13 +349,16 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret):
         scratch += [plgpu.Barrier(num_arrivals=4),  # q, k, v, beta
                     plgpu.Barrier()]  # a range matrix is in
     key_type = jax.ShapeDtypeStruct((bsz, tp, hv, kd), dtype)
+    chunk_rows = jax.ShapeDtypeStruct((bsz, tp, hv, c), dtype)
     kernel = chunk_kernel(
-        body, [jax.ShapeDtypeStruct((bsz, tp, hv, c), dtype), key_type, key_type, key_type,
-               jax.ShapeDtypeStruct((bsz, tp, hv, vd), dtype),
-               jax.ShapeDtypeStruct((bsz, n, hv, kd), F32)],
+        body, [chunk_rows] * with_inverse + [
+            chunk_rows, key_type, key_type, key_type,
+            jax.ShapeDtypeStruct((bsz, tp, hv, vd), dtype),
+            jax.ShapeDtypeStruct((bsz, n, hv, kd), F32)],
         scratch, (n, hv, bsz), "delta_rule_wy_operands_mosaic", interpret)
     args = [q, k, v, jnp.swapaxes(beta, 1, 2), head_major_gates(g)]
     if not per_head:
         args.append(range_constants(PREP_RANGES))
     with jax.named_scope(f"delta_rule_wy_operands_mosaic_key_dim={kd}"):
-        return kernel(*args)
+        outs = tuple(kernel(*args))
+    return outs[1:] + outs[:1] if with_inverse else outs  # T last

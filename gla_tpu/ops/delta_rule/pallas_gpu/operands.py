@@ -1,0 +1,199 @@
+"""The delta rule's per-chunk WY operands as the state passes read them: the Mosaic GPU kernel's
+inputs, the kernel, and, for per-head gates and none, its own backward.
+
+`wy_operands` is a jax.custom_vjp. Forward: `kernels_mosaic_operands.wy_operands`, which under
+differentiation also writes each chunk's T = (I + A)^-1. Backward, every chunk in parallel in
+XLA, by docs/delta_rule_math.md "Backward of the operands": with dkb = T^T dw and dvb = T^T du0,
+dA = -strict_lower(T^T dT T^T) is -strict_lower(dkb w^T + dvb u0^T) (w = T kb, u0 = T vb), so T
+enters two products only; products on 16-bit operands (the kernel's T, w, u0, q, k as they are,
+the float32 cotangents rounded) with float32 sums; dg as three masked sums of its own terms.
+Autodiff of XLA's operands (what per-key gates keep) recomputes them in XLA and differentiates
+the blocked inverse.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_tpu.ops.common.padding import pad_last, pad_time
+from gla_tpu.ops.delta_rule import xla
+from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands
+
+CHUNK = kernels_mosaic_operands.CHUNK
+MAX_KEY_DIM = kernels_mosaic_operands.MAX_KEY_DIM
+F32 = jnp.float32
+
+
+def key_width(kd: int) -> int:
+    """K as the kernels take it: 64 or 128."""
+    return 64 if kd <= 64 else MAX_KEY_DIM
+
+
+def value_width(vd: int) -> int:
+    """V as the WY operands kernel takes it: a multiple of its 64-column slabs."""
+    slab = kernels_mosaic_operands.SLAB
+    return -(-vd // slab) * slab
+
+
+def padded_inputs(q, k, v_, beta, gates, problem):
+    """Grouped inputs (`xla.grouped_inputs`) padded to the WY operands kernel's widths, in the
+    compute dtype: q, k [B, Tp, H, Kp], v [B, Tp, HV, Vp], beta [B, Tp, HV] and the gates
+    ([B, Tp, HV] per head, zeros for none; [B, Tp, HV, Kp] per key)."""
+    b, t, _, kd = q.shape
+    hv = problem.num_value_heads
+    kp, vp = key_width(kd), value_width(problem.value_dim)
+
+    def padded(x, width):  # [B, T, ...] -> [B, Tp, HV|H, width] (zeros after)
+        return pad_last(pad_time(x.reshape(b, t, -1, x.shape[-1]), CHUNK), width)
+
+    beta_p = pad_time(beta.reshape(b, t, hv), CHUNK)
+    if gates is None:
+        gates_p = jnp.zeros(beta_p.shape, beta_p.dtype)
+    elif gates.shape[-1] == 1:  # per head
+        gates_p = pad_time(gates.reshape(b, t, hv), CHUNK)
+    else:
+        gates_p = padded(gates, kp)
+    return padded(q, kp), padded(k, kp), padded(v_, vp), beta_p, gates_p
+
+
+def _cast(q, k, v, beta, g, dtype):
+    """Padded inputs as the kernel reads them: q, k, v in the 16-bit `dtype`, beta and g
+    float32."""
+    return (q.astype(dtype), k.astype(dtype), v.astype(dtype), beta.astype(F32), g.astype(F32))
+
+
+def kernel_inputs(q, k, v_, beta, gates, problem):
+    """Grouped inputs as the WY operands kernel takes them (`padded_inputs`, then q, k, v in the
+    input dtype and beta, g float32)."""
+    return _cast(*padded_inputs(q, k, v_, beta, gates, problem), jnp.dtype(problem.dtype))
+
+
+def kernel_operands(q, k, v_, beta, gates, *, problem, interpret, with_inverse=False):
+    """The kernel's WY operands (scores, q_in, k_out, w_neg, u0, last; with_inverse: and T) for
+    grouped inputs, padded to its widths; not differentiable."""
+    return kernels_mosaic_operands.wy_operands(
+        *kernel_inputs(q, k, v_, beta, gates, problem), group=problem.group,
+        scale=problem.scale, interpret=interpret, with_inverse=with_inverse)
+
+
+def wy_operands(q, k, v_, beta, gates, *, problem, interpret):
+    """Grouped inputs (`xla.grouped_inputs`; gates per head [B, T, H, G, 1] or None) ->
+    (scores [B, Tp, HV, C], q_in, k_out, w_neg [B, Tp, HV, Kp], u0 [B, Tp, HV, Vp] in the input
+    dtype, last [B, N, HV, Kp] float32), differentiable (the module docstring)."""
+    if gates is not None and gates.shape[-1] != 1:
+        raise ValueError("the WY operands' own backward takes per-head gates or none")
+    return _padded_operands(*padded_inputs(q, k, v_, beta, gates, problem),
+                            jnp.dtype(problem.dtype), problem.group, problem.scale,
+                            gates is not None, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _padded_operands(q, k, v, beta, g, dtype, group, scale, with_gates, interpret):
+    return kernels_mosaic_operands.wy_operands(*_cast(q, k, v, beta, g, dtype), group=group,
+                                               scale=scale, interpret=interpret)
+
+
+def _fwd(q, k, v, beta, g, dtype, group, scale, with_gates, interpret):
+    inputs = _cast(q, k, v, beta, g, dtype)
+    *outs, inverse = kernels_mosaic_operands.wy_operands(
+        *inputs, group=group, scale=scale, interpret=interpret, with_inverse=True)
+    scores, _, _, w_neg, u0, _ = outs
+    return tuple(outs), (inputs, scores, w_neg, u0, inverse)
+
+
+def _bwd(dtype, group, scale, with_gates, interpret, residuals, cotangents):
+    del dtype, group, interpret
+    inputs, scores, w_neg, u0, inverse = residuals
+    dq, dk, dv, dbeta, dg = operands_backward(*inputs, scores, w_neg, u0, inverse, cotangents,
+                                              scale=scale, with_gates=with_gates)
+    return dq, dk, dv, dbeta, jnp.zeros_like(dbeta) if dg is None else dg
+
+
+_padded_operands.defvjp(_fwd, _bwd)
+
+
+def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *, scale,
+                      with_gates=True):
+    """The cotangents of the kernel's inputs from those of its outputs, every chunk in parallel.
+
+    Args: q, k [B, Tp, H, Kp], v [B, Tp, HV, Vp] (the kernel's 16-bit inputs), beta, g
+      [B, Tp, HV] float32 (natural-log gates per head, zeros for none); the kernel's scores
+      [B, Tp, HV, C], w_neg [B, Tp, HV, Kp], u0 [B, Tp, HV, Vp] and T [B, Tp, HV, C] (16-bit);
+      cotangents of (scores, q_in, k_out, w_neg, u0, last), float32, last's [B, N, HV, Kp].
+    Returns: float32 dq, dk [B, Tp, H, Kp], dv [B, Tp, HV, Vp], dbeta, dg [B, Tp, HV] (dg None
+      without gates).
+    """
+    bsz, tp, h, kd = q.shape
+    hv = v.shape[2]
+    c, n, dtype = CHUNK, tp // CHUNK, q.dtype
+    d_scores, d_q_in, d_k_out, d_w_neg, du0, d_last = cotangents
+
+    def chunked(x):  # [B, Tp, H|HV, ...] -> [B, N, H, G|1, C, ...]
+        heads = x.shape[2]
+        x = x.reshape(bsz, n, c, h, heads // h, *x.shape[3:])
+        return jnp.moveaxis(x, 2, 4)
+
+    def tokens(x):  # [B, N, H, G|1, C, ...] -> [B, Tp, H * (G|1), ...]
+        x = jnp.moveaxis(x, 4, 2)
+        return x.reshape(bsz, tp, -1, *x.shape[5:])
+
+    def dot(spec, x, y):  # 16-bit operands, float32 sums
+        return jnp.einsum(spec, x.astype(dtype), y.astype(dtype), preferred_element_type=F32)
+
+    r, x = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+    strict = r > x  # [C (r), C (x)]
+    qc, kc = chunked(q), chunked(k)  # [B, N, H, 1, C, Kp] 16-bit
+    q32, k32 = qc.astype(F32), kc.astype(F32)
+    vc = chunked(v).astype(F32)  # [B, N, H, G, C, Vp]
+    betac = chunked(beta)  # [B, N, H, G, C]
+    if with_gates:
+        gc = chunked(g)
+        b_sums, tail_sums = xla._entry_and_tail_sums(gc[..., None])  # b, b_last - b: [.., C, 1]
+        e_b, e_after = jnp.exp(b_sums), jnp.exp(tail_sums)
+        decays = xla._pair_decays(gc)  # [.., C (r), C (x)]: exp(b_r - b_x), x <= r
+    else:  # no decay (and no constant gates for XLA to fold through the range sums)
+        e_b = e_after = 1.0
+        decays = xla._lift(r >= x, 6).astype(F32)
+
+    t_c = chunked(inverse)  # [.., C, C] 16-bit
+    dw = -chunked(d_w_neg)
+    dkb = dot("...jr,...jk->...rk", t_c, dw)  # T^T dw  [.., C, Kp]
+    dvb = dot("...jr,...jv->...rv", t_c, chunked(du0))  # T^T du0  [.., C, Vp]
+    # dA = -strict_lower(dkb w^T + dvb u0^T): w = T kb = -w_neg, u0 = T vb
+    da = dot("...rk,...xk->...rx", dkb, chunked(w_neg)) - dot("...rv,...xv->...rx", dvb,
+                                                             chunked(u0))
+    da = jnp.where(strict, da, 0.0)
+    kk = jnp.where(strict, dot("...rk,...xk->...rx", kc, kc) * decays, 0.0)  # k k^T D, x < r
+    g_a = betac[..., None] * da * decays  # d(k k^T) from A = beta (k k^T D)
+    d_m = chunked(d_scores)
+    g_m = d_m * decays  # d(q k^T) / scale from M = scale (q k^T D), x <= r
+    sum_g = functools.partial(jnp.sum, axis=3, keepdims=True)  # over a head's value heads
+
+    d_q_in, d_k_out = chunked(d_q_in), chunked(d_k_out)
+    g_m_h, g_a_h = sum_g(g_m), sum_g(g_a + jnp.swapaxes(g_a, -1, -2))
+    dq = scale * (dot("...rx,...xk->...rk", g_m_h, kc) + sum_g(e_b * d_q_in))
+    dk = (dot("...rx,...xk->...rk", g_a_h, kc) + scale * dot("...xr,...xk->...rk", g_m_h, qc)
+          + sum_g(betac[..., None] * e_b * dkb + e_after * d_k_out))
+    dv = betac[..., None] * dvb
+    dbeta = (jnp.sum(dvb * vc, -1) + jnp.sum(dkb * k32 * e_b, -1)
+             + jnp.sum(da * kk, -1))
+    dg = None
+    if with_gates:
+        kb = betac[..., None] * k32 * e_b
+        # each pair's share of its exponent's cotangent, summed over x < t <= r
+        pairs = da * (betac[..., None] * kk) + d_m * chunked(scores).astype(F32)
+        before_t = jnp.cumsum(pairs, axis=-1) - pairs  # [r, t]: sum over x < t
+        dg = jnp.sum(jnp.where(r >= x, before_t, 0.0), axis=-2)  # over r >= t
+        # b_r (through e^b: q_in and beta k e^b) sums the gates over [0, r]: every r >= t
+        entry = jnp.sum(dkb * kb, -1) + jnp.sum(d_q_in * (scale * q32 * e_b), -1)
+        dg = dg + jax.lax.cumsum(entry, axis=entry.ndim - 1, reverse=True)
+        # b_last - b_r (through k_out) sums them over (r, C): every r < t
+        tail = jnp.sum(d_k_out * (k32 * e_after), -1)
+        dg = dg + jnp.cumsum(tail, axis=-1) - tail
+        d_b_last = jnp.sum(d_last, -1).reshape(bsz, n, h, hv // h)  # b_last: every token
+        dg = dg + d_b_last[..., None]
+        dg = tokens(dg[..., None])[..., 0]
+    return (tokens(dq), tokens(dk), tokens(dv), tokens(dbeta[..., None])[..., 0], dg)
