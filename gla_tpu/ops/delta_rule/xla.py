@@ -156,13 +156,13 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
     else:
         kg = gates.shape[-1]
         gc = gates.reshape(b, n, c, h, grp, kg).transpose(0, 3, 4, 1, 2, 5)
-        entry, tail = _entry_and_tail_sums(gc)  # [B, H, G, N, C, Kg] each
+        entry, tail = entry_and_tail_sums(gc)  # [B, H, G, N, C, Kg] each
         # q_in = q e^b, k_in = k e^b, k_out = k e^(b_last - b): exponents <= 0
         q_in, k_in, k_out = qc * jnp.exp(entry), kc * jnp.exp(entry), kc * jnp.exp(tail)
         last = entry[..., -1, :]  # [B, H, G, N, Kg]
         if kg == 1:
             scores, kk = _products(qc, kc, input_dtype)
-            pair = _pair_decays(gc[..., 0])  # [B, H, G, N, C, C]: exp(b_i - b_j), j <= i
+            pair = pair_decays(gc[..., 0])  # [B, H, G, N, C, C]: exp(b_i - b_j), j <= i
             scores, kk = scores * pair, kk * pair
         else:
             scores, kk = _per_key_scores(qc, kc, gc, input_dtype)  # [B, H, G, N, C, C]
@@ -297,7 +297,7 @@ def _products(qc, kc, input_dtype):
             _dot("...ik,...jk->...ij", kc, kc, input_dtype))
 
 
-def _entry_and_tail_sums(gc):
+def entry_and_tail_sums(gc):
     """[..., C, Kg] gates -> the sums over [0, i] (b_i) and over (i, C-1] (b_last - b_i), each
     summed over its own range."""
     entry = jnp.cumsum(gc, axis=-2)
@@ -313,7 +313,7 @@ def _range_sums(g):
     return jnp.cumsum(jnp.where(after, g[..., :, None], 0.0), axis=-2)
 
 
-def _pair_decays(g):
+def pair_decays(g):
     """[..., C] per-head gates -> [..., C, C]: exp(b_i - b_j) for j <= i, 0 above."""
     lower = _lift(_order(g.shape[-1], "from"), g.ndim + 1)
     return jnp.where(lower, jnp.exp(_range_sums(g)), 0.0)
@@ -333,7 +333,7 @@ def _per_key_scores(qc, kc, gc, input_dtype):
     ns = c // sub
     qs, ks = (x.reshape(x.shape[:-2] + (ns, sub, kd)) for x in (qc, kc))
     gs = gc.reshape(*lead, ns, sub, kd)
-    within, tail = _entry_and_tail_sums(gs)  # [.., ns, sub, K]: over [start(I), i], (j, end(J)]
+    within, tail = entry_and_tail_sums(gs)  # [.., ns, sub, K]: over [start(I), i], (j, end(J)]
     totals = within[..., -1, :]  # [.., ns, K]
     # between[I, J]: the gates of the sub-chunks strictly between J and I, summed
     idx = jnp.arange(ns)

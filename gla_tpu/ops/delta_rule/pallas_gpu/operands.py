@@ -1,8 +1,9 @@
 """The delta rule's per-chunk WY operands as the state passes read them: the Mosaic GPU kernel's
 inputs, the kernel, and, for per-head gates and none, its own backward.
 
-`wy_operands` is a jax.custom_vjp. Forward: `kernels_mosaic_operands.wy_operands`, which under
-differentiation also writes each chunk's T = (I + A)^-1. Backward, every chunk in parallel in
+`wy_operands` pads the inputs and calls a jax.custom_vjp. Forward:
+`kernels_mosaic_operands.wy_operands`, which under differentiation also writes each chunk's
+T = (I + A)^-1. Backward, every chunk in parallel in
 XLA, by docs/delta_rule_math.md "Backward of the operands": with dkb = T^T dw and dvb = T^T du0,
 dA = -strict_lower(T^T dT T^T) is -strict_lower(dkb w^T + dvb u0^T) (w = T kb, u0 = T vb), so T
 enters two products only; products on 16-bit operands (the kernel's T, w, u0, q, k as they are,
@@ -151,12 +152,12 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, 
     betac = chunked(beta)  # [B, N, H, G, C]
     if with_gates:
         gc = chunked(g)
-        b_sums, tail_sums = xla._entry_and_tail_sums(gc[..., None])  # b, b_last - b: [.., C, 1]
+        b_sums, tail_sums = xla.entry_and_tail_sums(gc[..., None])  # b, b_last - b: [.., C, 1]
         e_b, e_after = jnp.exp(b_sums), jnp.exp(tail_sums)
-        decays = xla._pair_decays(gc)  # [.., C (r), C (x)]: exp(b_r - b_x), x <= r
+        decays = xla.pair_decays(gc)  # [.., C (r), C (x)]: exp(b_r - b_x), x <= r
     else:  # no decay (and no constant gates for XLA to fold through the range sums)
         e_b = e_after = 1.0
-        decays = xla._lift(r >= x, 6).astype(F32)
+        decays = jnp.broadcast_to(r >= x, (1,) * 4 + (c, c)).astype(F32)
 
     t_c = chunked(inverse)  # [.., C, C] 16-bit
     dw = -chunked(d_w_neg)
