@@ -43,6 +43,7 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_for_xdist(config, items)
     skip_full = pytest.mark.skip(reason="part of the full sweep: run with --full (docs/testing.md)")
     run_full = config.getoption("--full")
     has_gpu = (any(d.platform == "gpu" for d in jax.devices())
@@ -55,3 +56,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif item.get_closest_marker("full") is not None and not run_full:
             item.add_marker(skip_full)
+
+
+def _group_for_xdist(config, items):
+    """`--dist loadgroup` on an xdist worker: each item marked `xdist_group(name)` gets the node id
+    suffix "@name" by which the scheduler sends a group's tests to one worker (so a case's baseline
+    and reference are computed once, docs/testing.md). pytest-xdist 3.8 writes the suffix to
+    `item._nodeid`, which pytest 9.2 no longer reads (its node ids derive from `item._id`), so
+    without this every test was scheduled on its own; where xdist's suffix did take, nothing
+    changes."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid.rpartition("]")[2]:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
