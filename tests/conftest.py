@@ -1,8 +1,9 @@
 """A strict test environment: CPU only, rank promotion raises, warnings are errors (setup.cfg).
 
 Hypothesis runs one deterministic profile, "ci" (derandomized, a fixed example budget per test),
-unless asked otherwise: `pytest --hypothesis-profile=explore` draws new random examples on every
-run, with a larger budget (docs/testing.md).
+unless asked otherwise: with `--full`, "ci-full" (the same, with the larger budgets that
+`strategies.budget` names for it); `pytest --hypothesis-profile=explore` draws new random
+examples on every run, with a larger budget (docs/testing.md).
 """
 
 import os
@@ -30,6 +31,7 @@ from hypothesis import settings  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True)
+settings.register_profile("ci-full", parent=settings.get_profile("ci"))
 settings.register_profile("explore", derandomize=False, deadline=None, max_examples=50,
                           print_blob=True)
 settings.load_profile("ci")
@@ -40,6 +42,13 @@ def pytest_addoption(parser):
         "--full", action="store_true", default=False,
         help="also run the tests marked `full`: the rest of the sweeps (every TPU generation for "
              "every compiled configuration, every parametrization); docs/testing.md")
+
+
+def pytest_configure(config):
+    # --full: the hypothesis tests' --full budgets too (strategies.budget); the test modules, whose
+    # decorators read the loaded profile, are imported after this
+    if config.getoption("--full") and settings.get_current_profile_name() == "ci":
+        settings.load_profile("ci-full")
 
 
 def pytest_collection_modifyitems(config, items):

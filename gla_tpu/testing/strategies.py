@@ -47,9 +47,12 @@ def gla_cases(draw, *, key_dims=(16, 32, 64), value_dims=(16, 48, 64), seq_lens=
     )
 
 
-def budget(max_examples: int) -> settings:
+def budget(max_examples: int, full: int | None = None) -> settings:
     """`max_examples` examples under the deterministic "ci" profile (the default, see
-    tests/conftest.py); the loaded profile's own budget when exploring at random."""
+    tests/conftest.py), `full` of them (if given) under "ci-full", the profile of `pytest --full`;
+    the loaded profile's own budget when exploring at random."""
     if settings.default.derandomize:
+        if full is not None and settings.get_current_profile_name() == "ci-full":
+            return settings(max_examples=full)
         return settings(max_examples=max_examples)
     return settings()

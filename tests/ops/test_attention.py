@@ -213,14 +213,16 @@ def test_single_key_gives_v_and_no_query_or_key_gradient(backend, head_dim):
 
 
 # Shapes hypothesis draws from menus of awkward sizes: the XLA backend (held to fixed bounds, as
-# the baseline of every other backend's rule) and the mosaic_tpu kernels.
-@budget(6)
+# the baseline of every other backend's rule) and the mosaic_tpu kernels. Each example is a
+# problem of its own shapes (a few seconds of compiling): 3 and 2 examples in the default run,
+# 6 and 3 with --full.
+@budget(3, full=6)
 @given(case=attention_cases(), dtype=st.sampled_from([F32, BF16]))
 def test_xla_hypothesis(case, dtype):
     check_attention_parity(case, dtype=dtype, backend="xla")
 
 
-@budget(3)
+@budget(2, full=3)
 @given(case=attention_cases(head_dims=(64, 128)), dtype=st.sampled_from([F32, BF16]),
        tiles=st.sampled_from([None, "small"]))
 def test_mosaic_tpu_hypothesis(case, dtype, tiles):

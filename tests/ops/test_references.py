@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 
 from gla_tpu import ops
 from gla_tpu.testing import GLACase, make_attention_inputs, make_gla_inputs
-from gla_tpu.testing.strategies import attention_cases, gla_cases
+from gla_tpu.testing.strategies import attention_cases, budget, gla_cases
 
 
 def _rel(a, b):
@@ -16,7 +16,7 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300)
 
 
-@settings(max_examples=3)
+@budget(2, full=3)
 @given(gla_cases(key_dims=(4, 16), value_dims=(3, 16)))
 def test_gla_quadratic_and_recurrent_references_agree(case):
     inputs = make_gla_inputs(case, jax.random.key(case.seq_len * 7 + case.key_dim))
@@ -93,7 +93,7 @@ def _numpy_attention(q, k, v, causal, scale, q_seg, kv_seg):
     return o
 
 
-@settings(max_examples=6)
+@budget(3, full=6)
 @given(attention_cases(head_dims=(8,), seq_lens=(1, 5, 12)))
 def test_attention_reference_matches_numpy_loop(case):
     inputs = make_attention_inputs(case, jax.random.key(case.q_len + 13 * case.kv_len))
