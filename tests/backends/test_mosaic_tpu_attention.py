@@ -31,12 +31,17 @@ def test_interpret_params_instance_passes_through():
 # The backward's sub-block loop (plan.backward_sub_block: a dq key block or a dk/dv query block
 # wider than the sub-block, taken by a loop), made to run at small shapes by a sub-block of 128:
 # full and causal, segment ids, T != S; in the one-kernel backward (one dq tile per sub-block)
-# and in the two kernels.
-@pytest.mark.parametrize("fused", [True, False], ids=["one_kernel", "two_kernels"])
-@pytest.mark.parametrize("case", [
-    C(1, 256, 256, 2, 1, 128, causal=False, segments="pair"),
-    C(1, 200, 300, 2, 2, 128, causal=True),
-], ids=["full-segments", "causal-T200-S300"])
+# and in the two kernels. The default run takes each case in one of the two backwards (the
+# segment ids in the two kernels, T != S in the one kernel); --full, each in both.
+@pytest.mark.parametrize("case,fused", [
+    pytest.param(C(1, 256, 256, 2, 1, 128, causal=False, segments="pair"), True,
+                 marks=pytest.mark.full, id="full-segments-one_kernel"),
+    pytest.param(C(1, 256, 256, 2, 1, 128, causal=False, segments="pair"), False,
+                 id="full-segments-two_kernels"),
+    pytest.param(C(1, 200, 300, 2, 2, 128, causal=True), True, id="causal-T200-S300-one_kernel"),
+    pytest.param(C(1, 200, 300, 2, 2, 128, causal=True), False, marks=pytest.mark.full,
+                 id="causal-T200-S300-two_kernels"),
+])
 def test_backward_sub_block_loop(case, fused, monkeypatch):
     from gla_tpu.ops.attention.mosaic_tpu import plan
 
@@ -48,11 +53,12 @@ def test_backward_sub_block_loop(case, fused, monkeypatch):
 
 # The two-kernel backward (dq; dk and dv), which runs where the one-kernel backward's dq does not
 # fit VMEM and on a chip not known; interpret mode takes the one kernel by default, as every case
-# of tests/ops/test_attention.py does. GQA with T != S, segment ids at D = 64, a window with a
-# soft cap.
+# of tests/ops/test_attention.py does. GQA with T != S, segment ids at D = 64 (--full only: the
+# two kernels take segment ids in test_backward_sub_block_loop[full-segments-two_kernels]), a
+# window with a soft cap.
 @pytest.mark.parametrize("case", [
     C(1, 200, 300, 4, 2, 128, causal=True),
-    C(2, 256, 256, 2, 1, 64, causal=True, segments="pair"),
+    pytest.param(C(2, 256, 256, 2, 1, 64, causal=True, segments="pair"), marks=pytest.mark.full),
     C(1, 384, 384, 2, 2, 128, causal=True, window=(100, 0), soft_cap=20.0),
 ], ids=str)
 def test_two_kernel_backward_interpret_parity(case):

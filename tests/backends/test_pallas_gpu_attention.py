@@ -59,8 +59,11 @@ FULL = pytest.mark.full
                  marks=FULL),
     pytest.param(AttentionCase(1, 260, 390, 2, 2, 64, causal=True), ForwardTiles(128, 128, 2),
                  BF16, marks=FULL),
-    # head dim 256 with its default tiles, GQA, padded keys
-    (AttentionCase(1, 130, 200, 2, 1, 256, causal=True), ForwardTiles(64, 64, 2), F16),
+    # head dim 256 with its default tiles, GQA, padded keys (--full only: this forward runs the
+    # same case with segment ids in test_mosaic_backward_interpret_parity's head dim 256 case,
+    # and at T = 136 in test_unpadded_mosaic_interpret_parity's)
+    pytest.param(AttentionCase(1, 130, 200, 2, 1, 256, causal=True), ForwardTiles(64, 64, 2), F16,
+                 marks=FULL),
     # segment ids, a pair where some queries see no key: every block masked
     (AttentionCase(1, 200, 300, 4, 2, 64, causal=False, segments="pair"),
      ForwardTiles(64, 64, 2), BF16),
@@ -136,7 +139,10 @@ def test_unpadded_mosaic_calls_take_the_arrays_as_they_come(monkeypatch, kv_len,
     assert texts[1].count("custom_call @mosaic_gpu") == 3
 
 
-@pytest.mark.parametrize("rank_major", [False, True], ids=["pair_major", "rank_major"])
+# rank-major with --full only: both persistent cases of test_mosaic_forward_interpret_parity take
+# that order (kernels_mosaic_forward_persistent._rank_major), under the pass rule.
+@pytest.mark.parametrize("rank_major", [False, pytest.param(True, marks=FULL)],
+                         ids=["pair_major", "rank_major"])
 def test_persistent_forward_equals_the_per_tile_forward(rank_major, monkeypatch):
     """Each tile runs the same code, in either order of the work list: o and lse agree bit for
     bit."""
@@ -712,9 +718,10 @@ def _mosaic_gradient_sizes(head_dim):
 
 
 # Ring blocks: the Mosaic GPU dq and dk/dv kernels write each gradient in two parts of the input
-# dtype (hi + lo in float32: 16 bits of mantissa), the Triton ones float32.
+# dtype (hi + lo in float32: 16 bits of mantissa), the Triton ones float32. The default run takes
+# the non-causal block with segment ids and padding; --full adds the causal one.
 @pytest.mark.parametrize("case,dtype", [
-    (AttentionCase(1, 256, 256, 2, 1, 64, causal=True), BF16),
+    pytest.param(AttentionCase(1, 256, 256, 2, 1, 64, causal=True), BF16, marks=FULL),
     # not causal, segment ids, T not a multiple of the tiles (padded)
     (AttentionCase(1, 200, 200, 2, 2, 128, causal=False, segments="shared"), F16),
     # a block-local window with a negative side (the key block lies ahead of the queries) and a

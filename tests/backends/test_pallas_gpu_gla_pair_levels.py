@@ -67,17 +67,18 @@ def test_scores_by_levels_match_the_direct_decay(strength):
 # (padded to 256: four value tiles, twice round the dq/dk/dg kernel's ring of two); K = 300
 # (padded to 384: three groups of keys as virtual heads, whose outputs and dv the state passes
 # sum, the middle group reading and writing the partial sum) with two heads; K = 200 (two
-# groups).
+# groups). --full only: K 128 in float16, V = 200, K = 200, and K = 300 (the default run takes
+# K = 300 at the same gates in test_interpret_parity_group_sums[bfloat16-input], the default
+# sums).
 @pytest.mark.parametrize("case,dtype", [
     (GLACase(1, 130, 2, 64, 128, gate="key", gate_strength=1e-3, initial_state=True),
      jnp.bfloat16),
-    # --full only: K 128 in float16, and V = 200
     pytest.param(GLACase(1, 100, 1, 128, 64, gate="key", initial_state=True), jnp.float16,
                  marks=pytest.mark.full),
     pytest.param(GLACase(1, 70, 1, 64, 200, gate="key", initial_state=True), jnp.bfloat16,
                  marks=pytest.mark.full),
-    (GLACase(1, 70, 2, 300, 64, gate="key", gate_strength=16.0, initial_state=True),
-     jnp.bfloat16),
+    pytest.param(GLACase(1, 70, 2, 300, 64, gate="key", gate_strength=16.0, initial_state=True),
+                 jnp.bfloat16, marks=pytest.mark.full),
     pytest.param(GLACase(1, 70, 1, 200, 64, gate="key", gate_strength=16.0, initial_state=True),
                  jnp.bfloat16, marks=pytest.mark.full),
 ], ids=str)
@@ -160,12 +161,12 @@ def test_refuses_what_it_cannot_take(mode, dtype, match):
 
 # The key groups' partial sums of o and dv (BlockSizes.mosaic_group_sums) in the input dtype (the
 # default) and in float32: K = 300 (three groups, the middle one reading and writing the partial
-# sum), bfloat16 and, in --full, float32 sums and float16.
+# sum) with two heads at gates of strength 16, bfloat16 and, in --full, float32 sums and float16.
 @pytest.mark.parametrize("dtype,sums", [
     (jnp.bfloat16, "input"), pytest.param(jnp.bfloat16, "float32", marks=pytest.mark.full),
     pytest.param(jnp.float16, "input", marks=pytest.mark.full)], ids=str)
 def test_interpret_parity_group_sums(dtype, sums):
-    case = GLACase(1, 70, 2, 300, 64, gate="key", initial_state=True)
+    case = GLACase(1, 70, 2, 300, 64, gate="key", gate_strength=16.0, initial_state=True)
     sizes = BlockSizes(chunk_kernel="mosaic_gpu", mosaic_group_sums=sums)
     check_gla_parity(case, jax.random.key(11), dtype=dtype, backend="pallas_gpu", interpret=True,
                      block_sizes=sizes)
@@ -233,7 +234,8 @@ def test_interpret_parity_one_output_differentiated(final_state_only):
 # The state passes split in time (segments of T side by side, a scan of their states between the
 # two passes), forward and reversed, with an initial state, a partial last segment of T and
 # segment_ids (reset gates: the scan sees decays of exactly 0); K = 200, two groups of keys, so
-# the states-only pass walks them too.
+# the states-only pass walks them too. (T = 200, without the last segment's whole chunk of
+# padding, took as long: the interpreter's time here is compiling.)
 def test_interpret_parity_time_splits():
     case = GLACase(1, 300, 1, 200, 64, gate="key", gate_strength=16.0, initial_state=True,
                    segments=True)

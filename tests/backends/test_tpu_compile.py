@@ -526,14 +526,21 @@ def test_delta_rule_compiles(name, generation, passes):
     _compile_delta_rule("chunk", DELTA_RULE[name], generation, passes)
 
 
-@pytest.mark.parametrize("generation", TPU_GENERATIONS)
-@pytest.mark.parametrize("shape", [(64, 16, 16, 128, 128, "head"), (256, 16, 32, 64, 64, "head"),
-                                   (64, 32, 32, 128, 128, "key")],
-                         ids=["B64-HV16-K128-gdn", "B256-HV32-K64-gdn", "B64-HV32-K128-kda"])
-def test_delta_rule_decode_step_compiles(generation, shape):
+# Default run: every shape, every generation (the kernel's blocks follow a fixed 12 MiB, not the
+# chip); --full, every shape on every generation.
+DELTA_RULE_DECODE = {"B64-HV16-K128-gdn": (64, 16, 16, 128, 128, "head"),
+                     "B256-HV32-K64-gdn": (256, 16, 32, 64, 64, "head"),
+                     "B64-HV32-K128-kda": (64, 32, 32, 128, 128, "key")}
+DELTA_RULE_DECODE_DEFAULT = {"B64-HV16-K128-gdn": ("v4", "v6e"), "B256-HV32-K64-gdn": ("v5e",),
+                             "B64-HV32-K128-kda": ("v5p", "7x")}
+
+
+@pytest.mark.parametrize("name,generation",
+                         _sweep(DELTA_RULE_DECODE, DELTA_RULE_DECODE_DEFAULT.__getitem__))
+def test_delta_rule_decode_step_compiles(name, generation):
     """A decode step of a serving batch (mode "fused_recurrent", T = 1): the decode kernel, the
     state carried in and out."""
-    b, h, hv, kd, vd, gate = shape
+    b, h, hv, kd, vd, gate = DELTA_RULE_DECODE[name]
     args = _delta_rule_args(gate, b, 1, h, hv, kd, vd)
 
     def step(q, k, v, beta, s0, g):

@@ -24,9 +24,12 @@ from gla_tpu.testing.tolerance import FLOAT32_MAX_RELATIVE_RMS
 
 B, T, VOCAB, MAX_LEN = 2, 24, 64, 32
 # The delta-rule kinds run here with --full only: test_delta_layers.py checks them layer by layer
-# and test_hybrid_lm.py in an LM.
-_DELTA_KINDS = ("gated_deltanet", "kda", "deltanet")
-KINDS = [kind if kind not in _DELTA_KINDS else pytest.param(kind, marks=pytest.mark.full)
+# and test_hybrid_lm.py in an LM. So does simple_gla, the GLA layer with per-head gates in the
+# LM code that "gla" (per-key gates) and "linear" (none) run here: test_delta_layers.py checks
+# its decoding, pieces, packing and gradients layer by layer (mosaic_tpu, interpret mode), and
+# test_layers.py the layer against the hand-written one.
+_FULL_ONLY_KINDS = ("gated_deltanet", "kda", "deltanet", "simple_gla")
+KINDS = [kind if kind not in _FULL_ONLY_KINDS else pytest.param(kind, marks=pytest.mark.full)
          for kind in block.ATTENTION_KINDS]
 
 

@@ -163,10 +163,19 @@ SPECIAL = {
 
 
 # --full only: the few-token bfloat16 cases at a second length per mode (t1 chunk and t40
-# fused_recurrent stay in the default run); the widest case on pallas_gpu (Triton interpret,
-# 11 s; the pair-level kernels' K = 300 case covers wide keys on the GPU path).
-SPECIAL_FULL_ONLY = ("t3-bf16-state-chunk", "t1-bf16-state-recurrent",
-                     "wide-k256-v512-bf16-pallas_gpu")
+# fused_recurrent stay in the default run); the widest case, K = 256 and V = 512 (V in blocks is
+# tests/backends/test_mosaic_tpu_gla.py's test_chunked_block_v_split_matches_whole and
+# test_recurrent_v_blocks_pass_the_rule, wide keys k192-v320-recurrent's and the pair-level
+# kernels' K = 300 case, and the configuration compiles for v5e in test_tpu_compile.py); K = 192,
+# V = 320 on pallas_gpu (its padding of K and V to powers of two is k48-v32's, its
+# fused_recurrent program t40-bf16-state-recurrent's and the matrix's); K = 576 on "xla" (both
+# Pallas backends' refusals of it stay in the default run); mosaic_tpu's runs of
+# chunk_size 128, and xla's fused_chunk at 128: 128 is mosaic_tpu's default chunk for K <= 256
+# (CAPABILITIES.default_chunks), which every mosaic_tpu case of the matrix runs in both chunked
+# modes, and "xla" keeps chunk 128 in chunk128-chunk-head (pallas_gpu's refusal of it too).
+SPECIAL_FULL_ONLY = ("t3-bf16-state-chunk", "t1-bf16-state-recurrent", "wide-k256-v512-bf16",
+                     "k192-v320-recurrent-pallas_gpu", "k576-v64-xla", "chunk128-fused-key",
+                     "chunk128-chunk-head-mosaic_tpu")
 
 
 @pytest.mark.parametrize("backend,case,dtype,mode,chunk_size",
@@ -177,10 +186,19 @@ def test_special(backend, case, dtype, mode, chunk_size):
 
 # pallas_gpu runs fused_recurrent as chunk's program above T = 16: that pair runs with --full
 # only; so do pallas_gpu's other two (gates below -100 act as -100 in every backend; the -inf
-# test below keeps pallas_gpu in the default run).
+# test below keeps pallas_gpu in the default run). "xla" runs chunk in the default run, its
+# other two modes with --full (each is the baseline of mosaic_tpu's run of the same mode and
+# pattern, where a NaN or inf fails the rule). mosaic_tpu's fused_chunk with -1e3 every other
+# step runs with --full: test_gate_minus_1000_every_other_step_one_draw_mosaic_tpu runs the
+# same (mode, gate, pattern) on another draw.
+def _minus_1000_default(backend, mode):
+    return (backend, mode) in (("xla", "chunk"), ("mosaic_tpu", "chunk"),
+                               ("mosaic_tpu", "fused_recurrent"))
+
+
 @pytest.mark.parametrize("backend,mode,gate,pattern", [
     pytest.param(backend, mode, gate, pattern,
-                 marks=pytest.mark.full if backend == "pallas_gpu" else ())
+                 marks=() if _minus_1000_default(backend, mode) else pytest.mark.full)
     for mode, gate, pattern in (("chunk", "key", "every_step"),
                                 ("fused_chunk", "head", "every_other_step"),
                                 ("fused_recurrent", "key", "every_step"))
@@ -233,10 +251,16 @@ def _check_gate_minus_1000(backend, mode, case, pattern, key):
     assert_pass_rule(kernel, baseline, reference, dtype=jnp.float32)
 
 
-# "xla" runs chunk with per-key gates in the default run, its other two modes with --full.
+# The default run: chunk on mosaic_tpu and pallas_gpu, and pallas_gpu's per-head gates (its
+# fused_chunk is chunk's program). "xla" runs with --full: it is the baseline of each kernel's
+# run here, where a NaN or inf fails the rule. So do mosaic_tpu's other two modes: gates of -inf
+# reach every backend's kernels as -100 (ops/common/gates.py), as gates of -1e3 do, which
+# test_gate_minus_1000_per_step (fused_recurrent) and
+# test_gate_minus_1000_every_other_step_one_draw_mosaic_tpu (fused_chunk) run through them.
 @pytest.mark.parametrize("backend,mode,gate", [
     pytest.param(backend, mode, gate,
-                 marks=pytest.mark.full if backend == "xla" and mode != "chunk" else ())
+                 marks=pytest.mark.full if backend == "xla" or (backend == "mosaic_tpu"
+                                                                and mode != "chunk") else ())
     for backend in BACKENDS
     for mode, gate in (("chunk", "key"), ("fused_chunk", "head"), ("fused_recurrent", "key"))
     if not (backend == "pallas_gpu" and mode == "fused_recurrent")])

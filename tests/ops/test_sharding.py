@@ -299,6 +299,9 @@ def test_context_parallel_gla_matches_unsharded_mosaic_tpu():
     _check_gla(sharding, "mosaic_tpu", segments=_boundary_segments(2), **SMALL)
 
 
+# --full only: the modes differ only in the per-device call; the chunk runs above take the
+# context-parallel code.
+@pytest.mark.full
 def test_context_parallel_gla_fused_recurrent_xla():
     shape, names, spec = CP_LAYOUTS["2x4-batch-time"]
     _check_gla(NamedSharding(_mesh(shape, names), spec), "xla", mode="fused_recurrent",
@@ -398,11 +401,14 @@ def test_delta_rule_sharded_matches_unsharded_xla(layout):
 
 # Context-parallel delta rule: each time layout, every gate kind among them, segment ids that
 # change inside blocks and at block boundaries, an initial state. The default run takes
-# fused_recurrent on xla (the cheapest to compile); --full adds chunk on xla and on mosaic_tpu
-# (interpret mode; the context-parallel code is the same for every backend).
+# fused_recurrent on xla (the cheapest to compile) over batch and T with per-key gates (per-head
+# gates on that layout: test_context_parallel_delta_rule_in_two_runs_where_v_plus_k_is_refused;
+# T with heads: GLA's test_context_parallel_gla_matches_unsharded_xla, the same composition);
+# --full adds the other layouts, chunk on xla and on mosaic_tpu (interpret mode; the
+# context-parallel code is the same for every backend).
 @pytest.mark.parametrize("layout, gate, mode", [
     pytest.param("8-time", "key", "chunk", marks=pytest.mark.full),
-    ("4x2-time-heads", "head", "fused_recurrent"),
+    pytest.param("4x2-time-heads", "head", "fused_recurrent", marks=pytest.mark.full),
     ("2x4-batch-time", "key", "fused_recurrent"),
     pytest.param("2x4-batch-time", "none", "chunk", marks=pytest.mark.full),
     pytest.param("2x4-time-over-both", "key", "fused_recurrent", marks=pytest.mark.full),
@@ -502,9 +508,10 @@ EAGER = {
     "delta_rule-2x4-batch-heads": ("delta_rule", LAYOUTS["2x4-batch-heads"]),
 }
 # The default run keeps one context-parallel GLA call: two devices with one chunk per block, the
-# crash's condition, in less than half of 8-time's time.
+# crash's condition, in less than half of 8-time's time; and one batch x heads call of a linear
+# op (GLA's: the delta rule's goes through the same shard_map of common/sharding.py).
 EAGER_FULL_ONLY = ("gla-8-time", "attention-8-heads", "delta_rule-8-time",
-                   "delta_rule-2-time-T64", "gla-passes-2-time-T64")
+                   "delta_rule-2-time-T64", "gla-passes-2-time-T64", "delta_rule-2x4-batch-heads")
 
 
 @pytest.mark.parametrize("name", [
@@ -674,7 +681,10 @@ def test_context_parallel_gla_on_an_explicit_mesh():
     _assert_trees_close(got, want)
 
 
-@pytest.mark.parametrize("passes", [False, True], ids=["derivative", "states_passes"])
+# --full only with the states-only passes: the default run checks them in float32 against the
+# unsharded call (test_context_parallel_gla_with_states_passes[8-time-key]).
+@pytest.mark.parametrize("passes", [
+    False, pytest.param(True, marks=pytest.mark.full)], ids=["derivative", "states_passes"])
 def test_context_parallel_gla_bfloat16_meets_the_pass_rule(request, passes):
     """bfloat16: the blocks' zero-state states (and with the passes the entering states'
     cotangents) come from bfloat16 products (float32 sums); the outputs, the final state and
