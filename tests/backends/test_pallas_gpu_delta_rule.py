@@ -106,12 +106,12 @@ def test_interpreter_fused_recurrent_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
-@pytest.mark.parametrize("gate,grad_kernels", [("head", 4), ("key", 2)])
+@pytest.mark.parametrize("gate,grad_kernels", [("head", 5), ("key", 2)])
 def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, grad_kernels):
     """The forward is two Mosaic GPU kernels (the WY operands, the state pass). The gradient of
     every input runs the training forward's state pass and the reversed pass; with per-head
-    gates also the WY operands kernel (which then writes T for the operands' own backward) and
-    the per-chunk cotangents kernel, while per-key gates take their operands and the per-chunk
+    gates also the WY operands kernel (which then writes T), the per-chunk cotangents kernel and
+    the operands' backward kernel, while per-key gates take their operands and the per-chunk
     cotangents from XLA (vjp.Passes.cotangents_kernel)."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
     s = jax.ShapeDtypeStruct
@@ -167,8 +167,9 @@ def test_gradient_lowers_at_value_tiles_of_64(monkeypatch, key_dim):
     with hopper_target():
         text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, v, beta, g)
                 .lower(lowering_platforms=("cuda",)).as_text())
-    # the WY operands (with T), the training and reversed state passes, the per-chunk cotangents
-    assert text.count("custom_call @mosaic_gpu") == 4
+    # the WY operands (with T), the training and reversed state passes, the per-chunk
+    # cotangents, the operands' backward
+    assert text.count("custom_call @mosaic_gpu") == 5
 
 
 @pytest.mark.parametrize("kind", ["forward", "training", "reversed"])
@@ -242,15 +243,16 @@ def test_needs_hopper_or_the_interpreter(monkeypatch):
         ops.delta_rule(X, X, X, BETA)
 
 
-# On the GPU: each variant, grouped value heads, segments, initial and final states, Kimi gates,
-# strong gates (logsigmoid x 16: -0.8 to -49 a token; logsigmoid / 1e-3: -50 to -100 a token
-# after the API's floor), float16, K = V = 128 over many chunks, K = 100 and V = 200 (padded),
-# and no final state asked. "head-subnormal" misses dg on an H200 and passes in the interpreter
-# (docs/delta_rule.md, "GPU kernels"; likely cause: decays of e^-87 to e^-100 a token are
-# subnormal, and the tensor cores flush subnormal operands).
+# On the GPU: each variant (DeltaNet with and without segments), grouped value heads, segments,
+# initial and final states, Kimi gates, strong gates (logsigmoid x 16: -0.8 to -49 a token;
+# logsigmoid / 1e-3: -50 to -100 a token after the API's floor), float16, K = V = 128 over many
+# chunks, K = 100 and V = 200 (padded), and no final state asked. "head-subnormal" misses dg on an
+# H200 and passes in the interpreter (docs/delta_rule.md, "GPU kernels"; likely cause: decays of
+# e^-87 to e^-100 a token are subnormal, and the tensor cores flush subnormal operands).
 GPU_CASES = {
     "none-T1000-K128-V128-seg": (C(2, 1000, 2, 2, 128, 128, gate="none", segments=True,
                                    initial_state=True), BF16),
+    "none-T513-K64-V128-f16": (C(1, 513, 2, 4, 64, 128, gate="none"), F16),
     "head-kimi-T2048-gva": (C(1, 2048, 2, 4, 128, 128, gate="head", gate_law="kimi",
                               initial_state=True), BF16),
     "head-strong-T777-K64-V256": (C(2, 777, 1, 2, 64, 256, gate="head", gate_strength=1 / 16,
@@ -360,3 +362,39 @@ def test_operands_backward_matches_autodiff_of_xla_operands(gate):
         if y is not None:
             err = float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / np.max(np.abs(y)))
             assert err < 1e-6, (name, err)
+
+
+@pytest.mark.parametrize("gate,group,key_dim,value_dim", [
+    ("head", 2, 128, 128), ("none", 1, 64, 128), ("head", 1, 64, 64)])
+def test_interpreter_operands_backward_kernel_against_xla(gate, group, key_dim, value_dim):
+    """The operands' backward kernel against `operands.operands_backward` in XLA on the same
+    16-bit operands (the forward kernel's, for random inputs with strong per-head gates) and
+    random cotangents, two chunks: 16-bit products and float32 sums on both sides, but the
+    kernel rounds G_A, G_A^T and G_M per value head where XLA rounds G_A + G_A^T and the sums over
+    the group, hence the bound (a few bfloat16 roundings of the largest element; the pass rule
+    against float64 is the parity tests')."""
+    b, tp, h = 1, 128, 1
+    hv = h * group
+    keys = jax.random.split(jax.random.key(group * 1000 + key_dim + value_dim), 12)
+    q, k = (jax.random.normal(x, (b, tp, h, key_dim), F32) for x in keys[:2])
+    q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = jax.random.normal(keys[2], (b, tp, hv, value_dim), F32)
+    beta = 2.0 * jax.nn.sigmoid(jax.random.normal(keys[3], (b, tp, hv), F32))
+    g = (4.0 * jax.nn.log_sigmoid(jax.random.normal(keys[4], (b, tp, hv), F32)) if gate == "head"
+         else jnp.zeros((b, tp, hv), F32))
+    inputs = (q.astype(BF16), k.astype(BF16), v.astype(BF16), beta, g)
+    *outs, inverse = operands.kernels_mosaic_operands.wy_operands(
+        *inputs, group=group, scale=0.3, interpret=True, with_inverse=True)
+    scores, _, _, w_neg, u0, last = outs
+    cts = tuple(jax.random.normal(x, o.shape, F32) for x, o in zip(keys[5:], outs))
+    common = (*inputs, scores, w_neg, u0, inverse, cts)
+    with_gates = gate == "head"
+    got = operands.kernel_backward(*common, group=group, scale=0.3, with_gates=with_gates,
+                                   interpret=True)
+    want = operands.operands_backward(*common, scale=0.3, with_gates=with_gates)
+    for name, x, y in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want):
+        assert (x is None) == (y is None), name
+        if y is not None:
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+            err = float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+            assert err < 5e-3, (name, err)

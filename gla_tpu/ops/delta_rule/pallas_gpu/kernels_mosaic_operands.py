@@ -97,7 +97,7 @@ def _split_product(left, right_smem, *, interpret: bool):
                           interpret=interpret)
 
 
-def _store_split(x, smem):
+def store_split(x, smem):
     head, tail = _split(x)
     smem.at[0][...] = head
     smem.at[1][...] = tail
@@ -113,10 +113,10 @@ def _unit_lower_inverse(a, t_smem, y_smem, *, interpret: bool):
     t = jnp.where(r == x, 1.0, 0.0) - jnp.where(level_pairs(0, c), a, 0.0)
 
     def level_step(level, t):
-        _store_split(t, t_smem)
+        store_split(t, t_smem)
         plgpu.commit_smem()
         y = _split_product(jnp.where(level_pairs(level, c), a, 0.0), t_smem, interpret=interpret)
-        _store_split(y, y_smem)
+        store_split(y, y_smem)
         plgpu.commit_smem()
         return t - _split_product(t, y_smem, interpret=interpret)
 
@@ -188,22 +188,27 @@ class _Decays:
             prefix_ready, after_prefix, suffix_ready)
 
 
-def _head_gate_scores(q_smem, k_smem, g_vec, gu_smem, *, slabs, interpret):
-    """Per-head gates: (M before scale and mask, A before beta and mask: q k^T and k k^T times
-    exp(E); E_rx = g summed over (x, r], [C, C] float32, the exponents base 2 of g_vec ([C]
-    float32 natural-log gates in shared memory); exp(E) is 1 above the diagonal, where the
-    callers mask). gu_smem [2, C, C] float16: the masked gates and L (the
-    products' operands from shared memory, as GLA's range sums take them; q k^T and k k^T take
-    their left operands from registers, as the pair levels do: with q from shared memory and L
-    from registers the scores came out wrong on an H200 while the interpreter agreed, which of
-    the two not isolated)."""
+def head_gate_decays(g_vec, gu_smem, *, interpret):
+    """Per-head gates: exp(E) [C, C] float32, E_rx = g summed over (x, r] (base 2, of g_vec: [C]
+    float32 natural-log gates in shared memory); 1 on and above the diagonal, where the callers
+    mask. gu_smem [2, C, C] float16: the masked gates and L [r, t] = [t <= r], the product's
+    operands, as GLA's range sums take them."""
     c = CHUNK
     r, x = iota((c, c), 0), iota((c, c), 1)
     g_rows = jnp.maximum(plgpu.load(g_vec, layout=ROW) * LOG2E, GATE_FLOOR)
     gu_smem.at[0][...] = jnp.where(r > x, rows(g_rows, (c, c)), 0.0).astype(GATE_DTYPE)
-    gu_smem.at[1][...] = jnp.where(x <= r, 1.0, 0.0).astype(GATE_DTYPE)  # L [r, t]: t <= r
+    gu_smem.at[1][...] = jnp.where(x <= r, 1.0, 0.0).astype(GATE_DTYPE)
     plgpu.commit_smem()
-    decay = jnp.exp2(matmul([(gu_smem.at[1], gu_smem.at[0])], (c, c), interpret=interpret))
+    return jnp.exp2(matmul([(gu_smem.at[1], gu_smem.at[0])], (c, c), interpret=interpret))
+
+
+def _head_gate_scores(q_smem, k_smem, g_vec, gu_smem, *, slabs, interpret):
+    """Per-head gates: (M before scale and mask, A before beta and mask: q k^T and k k^T times
+    `head_gate_decays`). q k^T and k k^T take their left operands from registers, as the pair
+    levels do: with q from shared memory and L from registers the scores came out wrong on an
+    H200 while the interpreter agreed, which of the two not isolated."""
+    c = CHUNK
+    decay = head_gate_decays(g_vec, gu_smem, interpret=interpret)
     k_tiles = [k_smem.at[:, pl.ds(s * SLAB, SLAB)] for s in range(slabs)]
     q_regs = [plgpu.load(q_smem.at[:, pl.ds(s * SLAB, SLAB)], layout=WGMMA)
               for s in range(slabs)]
@@ -213,7 +218,7 @@ def _head_gate_scores(q_smem, k_smem, g_vec, gu_smem, *, slabs, interpret):
     return qk * decay, kk * decay
 
 
-def _head_gate_sums(g_vec):
+def head_gate_sums(g_vec):
     """(b [C], b_last - b [C], b_last [SLAB]) base-2 sums of the per-head gates g_vec, ROW
     layout: row sums of the gates masked per row."""
     c = CHUNK
@@ -281,7 +286,7 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret,
             plgpu.barrier_wait(loaded)
             scores, key_scores = _head_gate_scores(q_smem, k_smem, g_vec, gu_smem,
                                                    slabs=slabs, interpret=interpret)
-            b, after, last = _head_gate_sums(g_vec)
+            b, after, last = head_gate_sums(g_vec)
             scores = jnp.where(x <= r, scores, 0.0)
             key_scores = jnp.where(x < r, key_scores, 0.0)
             e_b, e_after = (rows(jnp.exp2(y), (c, SLAB)) for y in (b, after))

@@ -3,8 +3,9 @@ inputs, the kernel, and, for per-head gates and none, its own backward.
 
 `wy_operands` pads the inputs and calls a jax.custom_vjp. Forward:
 `kernels_mosaic_operands.wy_operands`, which under differentiation also writes each chunk's
-T = (I + A)^-1. Backward, every chunk in parallel in
-XLA, by docs/delta_rule_math.md "Backward of the operands": with dkb = T^T dw and dvb = T^T du0,
+T = (I + A)^-1. Backward, every chunk in parallel, by docs/delta_rule_math.md "Backward of the
+operands": a Mosaic GPU kernel where it takes K and V (kernels_mosaic_operands_backward.py,
+`kernel_backward`), else XLA (`operands_backward`). With dkb = T^T dw and dvb = T^T du0,
 dA = -strict_lower(T^T dT T^T) is -strict_lower(dkb w^T + dvb u0^T) (w = T kb, u0 = T vb), so T
 enters two products only; products on 16-bit operands (the kernel's T, w, u0, q, k as they are,
 the float32 cotangents rounded) with float32 sums; dg as three masked sums of its own terms.
@@ -21,7 +22,10 @@ import jax.numpy as jnp
 
 from gla_tpu.ops.common.padding import pad_last, pad_time
 from gla_tpu.ops.delta_rule import xla
-from gla_tpu.ops.delta_rule.pallas_gpu import kernels_mosaic_operands
+from gla_tpu.ops.delta_rule.pallas_gpu import (
+    kernels_mosaic_operands,
+    kernels_mosaic_operands_backward,
+)
 
 CHUNK = kernels_mosaic_operands.CHUNK
 MAX_KEY_DIM = kernels_mosaic_operands.MAX_KEY_DIM
@@ -106,11 +110,42 @@ def _fwd(q, k, v, beta, g, dtype, group, scale, with_gates, interpret):
 
 
 def _bwd(dtype, group, scale, with_gates, interpret, residuals, cotangents):
-    del dtype, group, interpret
+    del dtype
     inputs, scores, w_neg, u0, inverse = residuals
-    dq, dk, dv, dbeta, dg = operands_backward(*inputs, scores, w_neg, u0, inverse, cotangents,
-                                              scale=scale, with_gates=with_gates)
+    _, k, v, _, _ = inputs
+    if kernels_mosaic_operands_backward.takes(k.shape[3], v.shape[3]):
+        grads = kernel_backward(*inputs, scores, w_neg, u0, inverse, cotangents, group=group,
+                                scale=scale, with_gates=with_gates, interpret=interpret)
+    else:
+        grads = operands_backward(*inputs, scores, w_neg, u0, inverse, cotangents, scale=scale,
+                                  with_gates=with_gates)
+    dq, dk, dv, dbeta, dg = grads
     return dq, dk, dv, dbeta, jnp.zeros_like(dbeta) if dg is None else dg
+
+
+def kernel_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *, group, scale,
+                    with_gates, interpret):
+    """`operands_backward` by the Mosaic GPU kernel (kernels_mosaic_operands_backward.py), same
+    arguments and results: the kernel's per-value-head dq and dk summed over each head's group,
+    and dg from its per-token parts (pairs, plus the sums over r >= t of entry and over r < t of
+    tail within the chunk, plus b_last's cotangent for every token of the chunk)."""
+    bsz, tp, h, kd = q.shape
+    hv = v.shape[2]
+    c, n, dtype = CHUNK, tp // CHUNK, q.dtype
+    d_scores, d_q_in, d_k_out, d_w_neg, du0, d_last = cotangents
+    dq, dk, dv, dbeta, *parts = kernels_mosaic_operands_backward.operands_backward(
+        q, k, v, beta, g, scores, w_neg, u0, inverse, d_scores.astype(F32), d_q_in.astype(F32),
+        d_k_out.astype(F32), d_w_neg.astype(dtype), du0.astype(dtype), group=group, scale=scale,
+        with_gates=with_gates, interpret=interpret)
+    dq, dk = (x.reshape(bsz, tp, h, group, kd).sum(3) for x in (dq, dk))
+    dbeta = jnp.swapaxes(dbeta, 1, 2)
+    dg = None
+    if with_gates:
+        pairs, entry, tail = (x.reshape(bsz, hv, n, c) for x in parts)
+        dg = (pairs + jax.lax.cumsum(entry, axis=3, reverse=True) + jnp.cumsum(tail, axis=3)
+              - tail + jnp.sum(d_last, -1).transpose(0, 2, 1)[..., None])
+        dg = jnp.swapaxes(dg.reshape(bsz, hv, tp), 1, 2)
+    return dq, dk, dv, dbeta, dg
 
 
 _padded_operands.defvjp(_fwd, _bwd)
