@@ -160,9 +160,9 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, d_scores, d_
             plgpu.commit_smem()
             for s, span in enumerate(key_spans):
                 plgpu.copy_smem_to_gmem(dq_o.at[s], dq_ref.at[tokens + (span,)])
-            # every warp is past the products reading this scope's buffers, whose stores are
-            # done reading them, before the next scope takes their space
-            operands_released(interpret=interpret)
+            # the stores are past this scope's buffers, and (the wait ends in a warpgroup
+            # barrier) every warp past the products reading them, before the next scope takes
+            # their space
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return dict(decays=decays, e_b=e_b, pairs=pairs, entry=entry, tail=tail) if (
                 with_gates) else {}
