@@ -52,8 +52,8 @@ CAPABILITIES = Capabilities(
           "state read once and written once (Triton lowering); chunk: the per-chunk WY "
           "operands in a Mosaic GPU kernel (per-key gates: in XLA under differentiation), "
           "then one Mosaic GPU state pass over the chunks (state in registers, outputs "
-          "fused), forward and reversed; the backward's per-chunk cotangents in a Mosaic GPU "
-          "kernel (per-head and no gates, K and V up to 128), the operands' backward in XLA",
+          "fused), forward and reversed; the backward's per-chunk cotangents and the operands' "
+          "backward in Mosaic GPU kernels (per-head and no gates, K and V up to 128; else XLA)",
 )
 
 
