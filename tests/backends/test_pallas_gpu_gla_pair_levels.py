@@ -67,12 +67,15 @@ def test_scores_by_levels_match_the_direct_decay(strength):
 # (padded to 256: four value tiles, twice round the dq/dk/dg kernel's ring of two); K = 300
 # (padded to 384: three groups of keys as virtual heads, whose outputs and dv the state passes
 # sum, the middle group reading and writing the partial sum) with two heads; K = 200 (two
-# groups). --full only: K 128 in float16, V = 200, K = 200, and K = 300 (the default run takes
-# K = 300 at the same gates in test_interpret_parity_group_sums[bfloat16-input], the default
-# sums).
+# groups). --full only: every case, the first (the default options at T = 130 with a state and a
+# partial last chunk: test_interpret_parity_segments, whose segment starts are gates of -1e3;
+# several value tiles with a state: test_interpret_parity_value_tiles_of_32; gates of about -800
+# a token and beyond: test_interpret_parity_gates_below_float16), K 128 in float16, V = 200,
+# K = 200, and K = 300 (the default run takes K = 300 at the same gates in
+# test_interpret_parity_group_sums[bfloat16-input], the default sums).
 @pytest.mark.parametrize("case,dtype", [
-    (GLACase(1, 130, 2, 64, 128, gate="key", gate_strength=1e-3, initial_state=True),
-     jnp.bfloat16),
+    pytest.param(GLACase(1, 130, 2, 64, 128, gate="key", gate_strength=1e-3, initial_state=True),
+                 jnp.bfloat16, marks=pytest.mark.full),
     pytest.param(GLACase(1, 100, 1, 128, 64, gate="key", initial_state=True), jnp.float16,
                  marks=pytest.mark.full),
     pytest.param(GLACase(1, 70, 1, 64, 200, gate="key", initial_state=True), jnp.bfloat16,

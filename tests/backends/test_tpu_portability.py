@@ -5,7 +5,7 @@ cycles (2026-11-28)").
 
 Where `pltpu.get_tpu_info()` fails (a deviceless compile outside the chip's mesh context,
 `jax.export` for "tpu" from a CPU host) the ops take tiles and scoped-VMEM requests that fit every
-generation: these tests compile such programs for all five.
+generation: these tests compile such programs for all five (v4 and 7x in the default run).
 """
 
 import time
@@ -28,6 +28,11 @@ pytestmark = [
     pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (pip install .[test])"),
 ]
 BF16, F32 = jnp.bfloat16, jnp.float32
+# Default run: v4 (the smallest default scoped VMEM, 128-wide MXUs) and 7x; --full, all five (the
+# tiles and VMEM requests for a chip not known are the same program for each).
+DEFAULT_GENERATIONS = ("v4", "7x")
+GENERATIONS = [pytest.param(g, marks=() if g in DEFAULT_GENERATIONS else pytest.mark.full)
+               for g in TPU_GENERATIONS]
 
 
 def _attention(q, k, v):
@@ -44,7 +49,7 @@ def _gla(q, k, v, g):
 
 
 @pytest.mark.parametrize("passes", ["fwd", "fwd_bwd"])
-@pytest.mark.parametrize("generation", TPU_GENERATIONS)
+@pytest.mark.parametrize("generation", GENERATIONS)
 def test_attention_compiles_where_the_chip_is_not_known(generation, passes):
     """A deviceless compile without the chip's mesh context: the kernel cannot see the chip.
     B1 T8192 H16 D128 causal ran out of scoped VMEM on every generation with the tiles of a
@@ -72,7 +77,7 @@ def exported_gla():
     return _export_for_tpu(_gla, x, x, x, jax.ShapeDtypeStruct((1, 1024, 4, 128), F32))
 
 
-@pytest.mark.parametrize("generation", TPU_GENERATIONS)
+@pytest.mark.parametrize("generation", GENERATIONS)
 def test_exported_attention_compiles_for_every_generation(exported_attention, generation):
     """`jax.export` of a jitted TPU attention from this CPU host: the serialized program (its
     kernels built without a chip to query) compiles for each generation."""
@@ -80,7 +85,7 @@ def test_exported_attention_compiles_for_every_generation(exported_attention, ge
     assert jax.jit(exported_attention.call).lower(x, x, x).compile() is not None
 
 
-@pytest.mark.parametrize("generation", TPU_GENERATIONS)
+@pytest.mark.parametrize("generation", GENERATIONS)
 def test_exported_gla_compiles_for_every_generation(exported_gla, generation):
     x = abstract((1, 1024, 4, 128), BF16, generation)
     g = abstract((1, 1024, 4, 128), F32, generation)
@@ -107,9 +112,7 @@ def exported_gated_deltanet():
     return _export_for_tpu(fwd_bwd, q, q, v, beta, beta)
 
 
-# Default run: v4 (the smallest default scoped VMEM, 128-wide MXUs) and 7x; --full, all five.
-@pytest.mark.parametrize("generation", [
-    pytest.param(g, marks=() if g in ("v4", "7x") else pytest.mark.full) for g in TPU_GENERATIONS])
+@pytest.mark.parametrize("generation", GENERATIONS)
 def test_exported_delta_rule_compiles_for_every_generation(exported_gated_deltanet, generation):
     q, v, beta = (abstract(s, BF16 if len(s) == 4 else F32, generation) for s in _GDN_SHAPES)
     assert jax.jit(exported_gated_deltanet.call).lower(q, q, v, beta, beta).compile() is not None

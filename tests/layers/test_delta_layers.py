@@ -354,7 +354,17 @@ def test_decoding_pieces_and_packing_equal_full(name, backend):
 # (running gate sum) (ops/delta_rule/mosaic_tpu/vjp.py, _reverse_chunk_sums): an absolute error of
 # about 1e-8 on every token, however small dg is. At this layer's strong gates (g from -1.3 to -40)
 # that is 9e-6 relative in dg (xla: 4e-7) and 2.4e-5 in d A_log, 1.7e-5 in d dt_bias (xla: 2e-7).
-@pytest.mark.parametrize("name,backend", _cases(DELTA_KINDS))
+# On the Pallas backends with --full only: the kernels' gradients are the op tests' (every
+# gradient against the float64 reference in tests/ops), every parameter's gradient the "xla"
+# runs' here; test_decoding_pieces_and_packing_equal_full keeps the default run's layer checks in
+# interpret mode.
+def _gradient_cases(names):
+    return [p if p.values[1] == "xla" else
+            pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.full])
+            for p in _cases(names)]
+
+
+@pytest.mark.parametrize("name,backend", _gradient_cases(DELTA_KINDS))
 def test_gradients_finite_and_reach_every_parameter(name, backend):
     """Gradients of every parameter and of x, finite and non-zero. "xla": through 8 tokens
     (ops.delta_rule's own gradients are checked in tests/ops). A Pallas backend (interpret mode):

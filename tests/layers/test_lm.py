@@ -27,8 +27,10 @@ B, T, VOCAB, MAX_LEN = 2, 24, 64, 32
 # and test_hybrid_lm.py in an LM. So does simple_gla, the GLA layer with per-head gates in the
 # LM code that "gla" (per-key gates) and "linear" (none) run here: test_delta_layers.py checks
 # its decoding, pieces, packing and gradients layer by layer (mosaic_tpu, interpret mode), and
-# test_layers.py the layer against the hand-written one.
-_FULL_ONLY_KINDS = ("gated_deltanet", "kda", "deltanet", "simple_gla")
+# test_layers.py the layer against the hand-written one. So does "linear", the GLA layer without
+# gates in the same LM code as "gla" (test_layers.py checks it against the hand-written layer,
+# the ops their gate-less cases).
+_FULL_ONLY_KINDS = ("gated_deltanet", "kda", "deltanet", "simple_gla", "linear")
 KINDS = [kind if kind not in _FULL_ONLY_KINDS else pytest.param(kind, marks=pytest.mark.full)
          for kind in block.ATTENTION_KINDS]
 
@@ -143,7 +145,8 @@ def _param_spec(leaf):
     return P()
 
 
-@pytest.mark.parametrize("kind", ["softmax", "gla"])
+# softmax with --full only: the parameters' sharding is the LM's, the same for every kind
+@pytest.mark.parametrize("kind", [pytest.param("softmax", marks=pytest.mark.full), "gla"])
 def test_sharded_parameters_on_four_cpu_devices(kind):
     devices = jax.devices()
     assert len(devices) >= 4, "tests/conftest.py sets --xla_force_host_platform_device_count=8"

@@ -147,6 +147,9 @@ SMALL = dict(b=2, h=2)
 SMALL_MESH = ((2, 2), ("data", "model"))
 
 
+@pytest.mark.full  # the kernels under shard_map:
+# test_ring_attention_matches_unsharded_in_interpret_mode[mosaic_tpu]; batch x heads layouts: the
+# xla tests above
 def test_attention_sharded_matches_unsharded_mosaic_tpu():
     sharding = NamedSharding(_mesh(*SMALL_MESH), P("data", None, "model"))
     _check_attention(sharding, "mosaic_tpu", segments=True, hkv=2, **SMALL)
@@ -161,7 +164,8 @@ def test_gla_sharded_matches_unsharded_mosaic_tpu():
 @pytest.mark.parametrize("hkv, heads_mesh", [
     (4, 4),  # kv heads split with the query heads
     (2, 4),  # replicated: two query heads per device share one kv head
-    (2, 8),  # replicated: one query head per device
+    # replicated: one query head per device (--full only: (2, 4) keeps replicated kv heads)
+    pytest.param(2, 8, marks=pytest.mark.full),
 ])
 def test_attention_gqa_kv_heads_split_or_replicated(hkv, heads_mesh):
     mesh = _mesh((8 // heads_mesh, heads_mesh), ("data", "model"))
@@ -662,6 +666,9 @@ def test_a_sharding_that_is_not_a_named_sharding_is_refused():
         ops.flash_attention(q, q, q, backend="xla", sharding=P("x"))
 
 
+@pytest.mark.full  # explicit mesh axes in the inputs' types:
+# test_explicit_mesh_axes_in_the_inputs_types_are_used; context-parallel GLA on 8 time shards:
+# test_context_parallel_gla_matches_unsharded_xla[8-time-key]
 def test_context_parallel_gla_on_an_explicit_mesh():
     """T over Explicit mesh axes (jax.make_mesh's default): outputs, final state and gradients."""
     mesh = _mesh((8,), ("x",), explicit=True)
