@@ -142,8 +142,7 @@ def kernel_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *,
     dg = None
     if with_gates:
         pairs, entry, tail = (x.reshape(bsz, hv, n, c) for x in parts)
-        dg = (pairs + jax.lax.cumsum(entry, axis=3, reverse=True) + jnp.cumsum(tail, axis=3)
-              - tail + jnp.sum(d_last, -1).transpose(0, 2, 1)[..., None])
+        dg = chunk_gate_cotangent(pairs, entry, tail, jnp.sum(d_last, -1).transpose(0, 2, 1))
         dg = jnp.swapaxes(dg.reshape(bsz, hv, tp), 1, 2)
     return dq, dk, dv, dbeta, dg
 
@@ -222,14 +221,19 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, 
         # each pair's share of its exponent's cotangent, summed over x < t <= r
         pairs = da * (betac[..., None] * kk) + d_m * chunked(scores).astype(F32)
         before_t = jnp.cumsum(pairs, axis=-1) - pairs  # [r, t]: sum over x < t
-        dg = jnp.sum(jnp.where(r >= x, before_t, 0.0), axis=-2)  # over r >= t
-        # b_r (through e^b: q_in and beta k e^b) sums the gates over [0, r]: every r >= t
+        pair_sums = jnp.sum(jnp.where(r >= x, before_t, 0.0), axis=-2)  # over r >= t
         entry = jnp.sum(dkb * kb, -1) + jnp.sum(d_q_in * (scale * q32 * e_b), -1)
-        dg = dg + jax.lax.cumsum(entry, axis=entry.ndim - 1, reverse=True)
-        # b_last - b_r (through k_out) sums them over (r, C): every r < t
         tail = jnp.sum(d_k_out * (k32 * e_after), -1)
-        dg = dg + jnp.cumsum(tail, axis=-1) - tail
-        d_b_last = jnp.sum(d_last, -1).reshape(bsz, n, h, hv // h)  # b_last: every token
-        dg = dg + d_b_last[..., None]
+        d_b_last = jnp.sum(d_last, -1).reshape(bsz, n, h, hv // h)
+        dg = chunk_gate_cotangent(pair_sums, entry, tail, d_b_last)
         dg = tokens(dg[..., None])[..., 0]
     return (tokens(dq), tokens(dk), tokens(dv), tokens(dbeta[..., None])[..., 0], dg)
+
+
+def chunk_gate_cotangent(pair_sums, entry, tail, d_b_last):
+    """dg [..., C] of each chunk's tokens from its per-token parts [..., C] and b_last's
+    cotangent [...]: pair_sums (each pair x < t <= r's share), entry summed over r >= t (b_r,
+    through e^b in q_in and beta k e^b, sums the gates over [0, r]), tail over r < t (b_last - b_r,
+    through k_out, sums them over (r, C)), and d b_last on every token."""
+    return (pair_sums + jax.lax.cumsum(entry, axis=entry.ndim - 1, reverse=True)
+            + jnp.cumsum(tail, axis=-1) - tail + d_b_last[..., None])
