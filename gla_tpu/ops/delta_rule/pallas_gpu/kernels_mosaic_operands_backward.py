@@ -83,8 +83,9 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, d_scores, d_
       (M) and T [B, Tp, HV, C], one 16-bit dtype (HV = H * group, Tp a multiple of C); beta, g
       [B, Tp, HV] float32 (natural-log gates per head; ignored without gates); d_scores
       [B, Tp, HV, C], d_q_in, d_k_out [B, Tp, HV, K] float32.
-    Returns: float32 dq, dk [B, Tp, HV, K] (per value head), dv [B, Tp, HV, V], dbeta [B, HV, Tp]
-      and, with gates, pairs, entry, tail [B, HV, Tp].
+    Returns: float32 dq, dk [B, Tp, HV, K] (per value head), dv [B, Tp, HV, V] in the 16-bit
+      dtype (nothing adds to it after: the rounding the op's result makes), float32 dbeta
+      [B, HV, Tp] and, with gates, pairs, entry, tail [B, HV, Tp].
     """
     bsz, tp, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -186,7 +187,7 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, d_scores, d_
                 dbeta = term if dbeta is None else dbeta + term
                 if s:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dv_o[...] = dvb * beta_c
+                dv_o[...] = (dvb * beta_c).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(dv_o, dv_ref.at[tokens + (span,)])
                 da = matmul([((-dvb).astype(dtype), T(u0_s.at[:, span]))], (c, c),
@@ -232,7 +233,7 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, d_scores, d_
                 plgpu.copy_smem_to_gmem(dk_o.at[s], dk_ref.at[tokens + (span,)])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(second, tile((c, c)), tile((c, vd)), f32_tile((c, SLAB)),
+        pl.run_scoped(second, tile((c, c)), tile((c, vd)), tile((c, SLAB)),
                       tile((2, c, c), BF16), tile((c, c)))
 
     scratch = [
@@ -247,7 +248,7 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, d_scores, d_
     ]
     key_type = jax.ShapeDtypeStruct((bsz, tp, hv, kd), F32)
     vec_type = jax.ShapeDtypeStruct((bsz, hv, tp), F32)
-    out_type = [key_type, key_type, jax.ShapeDtypeStruct((bsz, tp, hv, vd), F32)]
+    out_type = [key_type, key_type, jax.ShapeDtypeStruct((bsz, tp, hv, vd), dtype)]
     out_type += [vec_type] * (4 if with_gates else 1)
     kernel = chunk_kernel(body, out_type, scratch, (n, hv, bsz),
                           "delta_rule_operands_backward_mosaic", interpret)

@@ -126,7 +126,8 @@ def _bwd(dtype, group, scale, with_gates, interpret, residuals, cotangents):
 def kernel_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *, group, scale,
                     with_gates, interpret):
     """`operands_backward` by the Mosaic GPU kernel (kernels_mosaic_operands_backward.py), same
-    arguments and results: the kernel's per-value-head dq and dk summed over each head's group,
+    arguments and results but dv, in the 16-bit dtype (the cotangents of w_neg and u0 may come in
+    it too): the kernel's per-value-head dq and dk summed over each head's group,
     and dg from its per-token parts (pairs, plus the sums over r >= t of entry and over r < t of
     tail within the chunk, plus b_last's cotangent for every token of the chunk)."""
     bsz, tp, h, kd = q.shape

@@ -117,14 +117,17 @@ def reversed_pass(residuals, do, dfinal, passes: Passes, interpret):
 
 def chunk_cotangents(do, u, du, h_parts, dh_parts, last, term, *, interpret, kernel=True):
     """Per chunk, in parallel: the cotangents of the state pass's inputs (d k_out, d u0,
-    d b_last, d q_in, d scores, d w_neg; float32) from do, u, du [B, Tp, HV, V] and the states
-    entering (h_parts) and the cotangents leaving (dh_parts) each chunk: with `kernel`, a Mosaic
-    GPU kernel (kernels_mosaic_cotangents.py) where it takes K and V, else XLA."""
+    d b_last, d q_in, d scores, d w_neg) from do, u, du [B, Tp, HV, V] and the states entering
+    (h_parts) and the cotangents leaving (dh_parts) each chunk: with `kernel`, a Mosaic GPU kernel
+    (kernels_mosaic_cotangents.py) where it takes K and V, else XLA. XLA's are float32; the
+    kernel's d u0 (du itself) and d w_neg are in the 16-bit dtype, as the operands' backward
+    (operands.py), the kernel's only consumer, takes them (products' 16-bit operands), and the
+    rest float32."""
     d_last = jnp.exp(last) * jnp.sum(term, axis=3)  # [B, N, HV, K]
     if kernel and kernels_mosaic_cotangents.takes(h_parts[0].shape[3], u.shape[3]):
         d_q_in, d_k_out, d_w_neg, d_scores = kernels_mosaic_cotangents.chunk_cotangents(
             do, u, du, h_parts, dh_parts, interpret=interpret)
-        return d_k_out, du.astype(F32), d_last, d_q_in, d_scores, d_w_neg
+        return d_k_out, du, d_last, d_q_in, d_scores, d_w_neg
     b, tp, hv, _ = u.shape
     n = last.shape[1]
     c = tp // n
