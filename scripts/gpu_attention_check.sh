@@ -3,7 +3,9 @@
 # backend, then local-window attention against cuDNN. Results go into $OUT/attention_check.tgz
 # and its summary $OUT/attention_check.txt; each step has its own time limit.
 #
-#   bash scripts/gpu_attention_check.sh tests          # the pallas_gpu attention GPU tests (6 min)
+#   bash scripts/gpu_attention_check.sh tests          # the pallas_gpu attention GPU tests (6 min;
+#       4 pytest workers share the GPU: on an 80 GB H100 some XLA baselines run out of memory,
+#       TEST_WORKERS=2 gives them room)
 #   bash scripts/gpu_attention_check.sh window         # bench part attention_window
 #   bash scripts/gpu_attention_check.sh tests,window   # both (about 9 minutes)
 #   bash scripts/gpu_attention_check.sh persistent     # the persistent forward (the default)
@@ -20,7 +22,7 @@ gpu_check_setup attention_check "$([[ ",$parts," == *",persistent,"* ]] && echo 
 
 if [[ ",$parts," == *",tests,"* ]]; then
   step tests "${TESTS_LIMIT:-450}" python3 -m pytest tests/backends/test_pallas_gpu_attention.py \
-    -m gpu -p no:benchmark -q -n 4 ${TESTS_K:+-k "$TESTS_K"}
+    -m gpu -p no:benchmark -q -n "${TEST_WORKERS:-4}" ${TESTS_K:+-k "$TESTS_K"}
   tail -n 3 "$work/tests.log" >> "$summary"
   grep -E "^(FAILED|ERROR)" "$work/tests.log" | head -20 >> "$summary"
 fi

@@ -120,3 +120,15 @@ def test_runs_are_bitwise_deterministic(op):
     first, second = grad_fn(inputs), grad_fn(inputs)
     for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kernel_times_sums_a_trace_by_event_name():
+    """bench/kernel_times.py's trace reader, on this host's CPU plane (a GPU's kernels are on its
+    device planes): named events with their time per call, the largest first."""
+    from bench.kernel_times import kernel_times
+
+    fn = jax.jit(lambda x: jnp.sin(x) @ x)
+    times = kernel_times(fn, jnp.ones((64, 64)), iters=2, plane_prefix="/host:CPU",
+                         line_filter=lambda name: True)
+    assert times and all(isinstance(name, str) and ms >= 0 for name, ms, _ in times)
+    assert [ms for _, ms, _ in times] == sorted((ms for _, ms, _ in times), reverse=True)
