@@ -67,22 +67,26 @@ def test_interpreter_forward_against_float64_recurrence(case, dtype):
                             grads=False)
 
 
+@pytest.mark.parametrize("gate", ["head", "key", "none"])
 @pytest.mark.parametrize("interpret", [
     pytest.param(True, id="interpreter"), pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
-def test_narrower_reversed_tile_against_float64(monkeypatch, interpret):
-    """State passes whose tiles differ: 64 value columns forward, 32 reversed (what K = 128 gets
-    where the blocks fill the SMs: vjp.Passes.fitted), here by counting one SM."""
+def test_reversed_pass_at_64_columns_against_float64(monkeypatch, interpret, gate):
+    """The reversed pass at 64 value columns, what K = 128 gets where the blocks fill the SMs
+    (vjp.Passes.fitted; here by counting one SM): with gates its state term reads one part of S
+    and the first chunk's state exact; without, it has no state term."""
     if not interpret:
         assert backends.is_hopper(), "the Mosaic GPU kernels need a Hopper GPU"
     monkeypatch.setattr(backends, "gpu_sm_count", lambda default=132: 1)
     # on the GPU, 4000 dbeta elements: at (1, 300, 1, 2, 128, 128) the kernel / XLA dbeta error
     # ratio ran 0.33-1.9 over four draws and 2.75 at the case's own, the same with tiles (32, 32)
     # (docs/testing.md, "Few-element gradients")
-    case = (C(1, 70, 1, 2, 128, 64, gate="head", initial_state=True) if interpret else
-            C(2, 1000, 1, 2, 128, 128, gate="head", initial_state=True, segments=True))
-    passes = vjp.Passes(block_v=entry.value_tile(
-        case.batch, case.num_value_heads, case.value_dim)).fitted(128, BF16)
-    assert (passes.block_v, passes.reversed_block_v) == (64, 32)
+    case = (C(1, 70, 1, 2, 128, 64, gate=gate, initial_state=True) if interpret else
+            C(2, 1000, 1, 2, 128, 128, gate=gate, initial_state=True, segments=True))
+    passes = vjp.Passes(block_v=entry.value_tile(case.batch, case.num_value_heads,
+                                                 case.value_dim),
+                        state_term=gate != "none").fitted(128, BF16)
+    assert (passes.block_v, passes.reversed_block_v, passes.term_parts) == (
+        64, None, 2 if gate == "none" else 1)
     check_delta_rule_parity(case, dtype=BF16, mode="chunk", backend="pallas_gpu",
                             interpret=interpret)
 
@@ -146,39 +150,45 @@ def test_value_tile_takes_32_only_where_its_blocks_fit_one_wave(monkeypatch, bat
     assert entry.value_tile(batch, value_heads, value_dim) == tile
 
 
-@pytest.mark.parametrize("key_dim", [64, 128])
-def test_gradient_lowers_at_value_tiles_of_64(monkeypatch, key_dim):
+@pytest.mark.parametrize("key_dim,gate", [(64, "head"), (128, "head"), (128, "none")])
+def test_gradient_lowers_at_value_tiles_of_64(monkeypatch, key_dim, gate):
     """With enough (batch, value head, 64 columns) blocks to fill the SMs the state passes take
-    64-column tiles (entry.value_tile); the reversed pass would then overflow shared memory at
-    K = 128 and takes 32 (vjp.Passes.fitted). Lowering applies Mosaic GPU's shared-memory
-    limit, so this is the check."""
+    64-column tiles (entry.value_tile); at K = 128 the reversed pass's state term then reads one
+    part of S (two would overflow shared memory), and without gates it has no state term
+    (vjp.Passes.fitted). Lowering applies Mosaic GPU's shared-memory limit, so this is the
+    check."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
     s = jax.ShapeDtypeStruct
     q, v = s((4, 128, 32, key_dim), BF16), s((4, 128, 64, 128), BF16)
-    beta, g = s((4, 128, 64), F32), s((4, 128, 64), F32)
+    beta, g = s((4, 128, 64), F32), s((4, 128, 64), F32) if gate == "head" else None
     assert entry.value_tile(4, 64, 128) == 64
-    passes = vjp.Passes(block_v=64).fitted(key_dim, BF16)
-    assert (passes.block_v, passes.reversed_block_v) == (64, 32 if key_dim == 128 else None)
+    passes = vjp.Passes(block_v=64, state_term=gate != "none").fitted(key_dim, BF16)
+    one_part = key_dim == 128 and gate != "none"
+    assert (passes.block_v, passes.reversed_block_v, passes.term_parts) == (
+        64, None, 1 if one_part else 2)
 
     def loss(q, k, v, beta, g):
         o, _ = ops.delta_rule(q, k, v, beta, g, mode="chunk", backend="pallas_gpu")
         return jnp.sum(o.astype(F32))
 
     with hopper_target():
-        text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, q, v, beta, g)
+        text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, q, v, beta, g)
                 .lower(lowering_platforms=("cuda",)).as_text())
     # the WY operands (with T), the training and reversed state passes, the per-chunk
     # cotangents, the operands' backward
     assert text.count("custom_call @mosaic_gpu") == 5
 
 
-@pytest.mark.parametrize("kind", ["forward", "training", "reversed"])
+@pytest.mark.parametrize("kind", ["forward", "training", "reversed", "reversed_one_part",
+                                  "reversed_no_term"])
 @pytest.mark.parametrize("key_dim,block_v", [(64, 32), (128, 32), (128, 64)])
 def test_state_pass_shared_memory_is_mosaic_gpus_count(kind, key_dim, block_v):
     """kernels_mosaic_state.shared_memory_bytes, which picks the passes' tiles, against the count
     Mosaic GPU reports when lowering the delta rule's state pass (its error under a limit of 0)."""
-    passes = vjp.Passes(block_v=block_v)
-    p = passes.reversed() if kind == "reversed" else passes.forward(kind == "training")
+    passes = vjp.Passes(block_v=block_v, term_parts=1 if kind == "reversed_one_part" else 2,
+                        state_term=kind != "reversed_no_term")
+    p = (passes.reversed() if kind.startswith("reversed")
+         else passes.forward(kind == "training"))
     s = jax.ShapeDtypeStruct
     b, tp, h, n = 1, 128, 2, 2
     x, w, w_neg = (s((b, tp, h, key_dim), BF16) for _ in range(3))

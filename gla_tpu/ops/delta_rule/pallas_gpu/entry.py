@@ -220,10 +220,12 @@ def _key_gate_operands_and_passes(q, k, v_, beta, gates, initial_state, problem,
 
 
 def _passes(batch, problem):
-    """The state passes of one call: the value tile by `value_tile`, halved for a pass that
-    would not fit shared memory; the per-chunk cotangents kernel unless the gates are per key."""
+    """The state passes of one call: the value tile by `value_tile`, fitted to shared memory
+    (`vjp.Passes.fitted`); the per-chunk cotangents kernel unless the gates are per key; the
+    reversed pass's state term only with gates."""
     passes = vjp.Passes(block_v=value_tile(batch, problem.num_value_heads, problem.value_dim),
-                        cotangents_kernel=problem.gate_kind != "key")
+                        cotangents_kernel=problem.gate_kind != "key",
+                        state_term=problem.gate_kind != "none")
     return passes.fitted(operands.key_width(problem.key_dim), jnp.dtype(problem.dtype))
 
 

@@ -43,17 +43,29 @@ class Passes:
     cotangents_kernel: bool = True
     # the reversed pass's value tile where it differs from block_v (`fitted`)
     reversed_block_v: int | None = None
+    # the reversed pass's state term (sum_V S dS' per chunk, the cotangent of b_last); without
+    # gates nothing takes it, and the pass then neither computes it nor reads S
+    state_term: bool = True
+    # 16-bit parts of the forward's S the state term reads: 2 (hi and lo), or 1 (hi, with the
+    # first chunk's state exact, as GLA's default), which `fitted` takes where two parts would
+    # halve the reversed pass's value tile
+    term_parts: int = 2
 
     def fitted(self, key_dim: int, dtype) -> Passes:
-        """These passes with a value tile of 32 for each pass whose tile does not fit a Hopper
-        block's shared memory at key width key_dim (the reversed pass at K = 128 takes 244 KiB
-        at a tile of 64, 180 KiB at 32)."""
+        """These passes as they fit a Hopper block's shared memory at key width key_dim: the
+        reversed pass's state term from one part of S where two do not fit its tile (at K = 128
+        and a tile of 64: 244 KiB with two parts, 212 KiB with one), else a tile of 32 for each
+        pass whose tile does not fit."""
         small = min(BLOCK_VS)
         passes = self
         if not fits(passes.forward(training=True), key_dim, dtype):
             passes = dataclasses.replace(passes, block_v=small)
         if not fits(passes.reversed(), key_dim, dtype):
-            passes = dataclasses.replace(passes, reversed_block_v=small)
+            one_part = dataclasses.replace(passes, term_parts=1)
+            if passes.state_term and fits(one_part.reversed(), key_dim, dtype):
+                passes = one_part
+            else:
+                passes = dataclasses.replace(passes, reversed_block_v=small)
         return passes
 
     def forward(self, training: bool) -> Pass:
@@ -62,8 +74,9 @@ class Passes:
                     out_parts=self.out_parts)
 
     def reversed(self) -> Pass:
-        return Pass(reverse=True, outputs=True, store_parts=2, state_term=True, delta=True,
-                    block_v=self.reversed_block_v or self.block_v, out_parts=1, term_parts=2)
+        return Pass(reverse=True, outputs=True, store_parts=2, state_term=self.state_term,
+                    delta=True, block_v=self.reversed_block_v or self.block_v, out_parts=1,
+                    term_parts=self.term_parts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
@@ -100,6 +113,8 @@ def _bwd(dtype, passes, interpret, residuals, cotangents):
     do = jnp.zeros(u.shape, dtype) if isinstance(do, SymbolicZero) else do.astype(dtype)
     dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal.astype(F32)
     du, dh_hi, dh_lo, term, ds0 = reversed_pass(residuals, do, dfinal, passes, interpret)
+    if term is None:  # no gates: b_last is constant, its cotangent unused
+        term = jnp.zeros((*last.shape[:3], 1, last.shape[3]), F32)
     d_k_out, du, d_last, d_q_in, d_scores, d_w_neg = chunk_cotangents(
         do, u, du, (hi, lo), (dh_hi, dh_lo), last, term, interpret=interpret,
         kernel=passes.cotangents_kernel)
@@ -108,11 +123,17 @@ def _bwd(dtype, passes, interpret, residuals, cotangents):
 
 def reversed_pass(residuals, do, dfinal, passes: Passes, interpret):
     """The reversed state pass: (du [B, Tp, HV, V], dS' per chunk as two 16-bit parts
-    [B, N, HV, K, V], the state term of d b_last, d initial_state) for the output cotangent do (in
-    the input dtype) and that of the final state (float32 or None)."""
-    k_out, last, _, q_in, scores, w_neg, _, hi, lo = residuals
-    return state_pass(q_in, do, last, dfinal, w=k_out, a=scores, w_neg=w_neg, h_parts=(hi, lo),
-                      p=passes.reversed(), interpret=interpret)
+    [B, N, HV, K, V], the state term of d b_last (None without `passes.state_term`),
+    d initial_state) for the output cotangent do (in the input dtype) and that of the final state
+    (float32 or None)."""
+    k_out, last, s0, q_in, scores, w_neg, _, hi, lo = residuals
+    p = passes.reversed()
+    outs = state_pass(q_in, do, last, dfinal, w=k_out, a=scores, w_neg=w_neg,
+                      h_parts=(hi, lo)[:p.term_parts], h_first=s0, p=p, interpret=interpret)
+    if not p.state_term:
+        du, dh_hi, dh_lo, ds0 = outs
+        return du, dh_hi, dh_lo, None, ds0
+    return outs
 
 
 def chunk_cotangents(do, u, du, h_parts, dh_parts, last, term, *, interpret, kernel=True):
