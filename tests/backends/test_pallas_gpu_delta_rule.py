@@ -67,9 +67,14 @@ def test_interpreter_forward_against_float64_recurrence(case, dtype):
                             grads=False)
 
 
-@pytest.mark.parametrize("gate", ["head", "key", "none"])
-@pytest.mark.parametrize("interpret", [
-    pytest.param(True, id="interpreter"), pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
+# the interpreter's DeltaNet case (no state term) runs with --full, as DeltaNet's other
+# interpreter case: the default tier lowers that pass (test_gradient_lowers_at_value_tiles_of_64)
+@pytest.mark.parametrize("interpret,gate", [
+    pytest.param(True, "head", id="interpreter-head"),
+    pytest.param(True, "key", id="interpreter-key"),
+    pytest.param(True, "none", id="interpreter-none", marks=pytest.mark.full),
+    *(pytest.param(False, gate, id=f"gpu-{gate}", marks=pytest.mark.gpu)
+      for gate in ("head", "key", "none"))])
 def test_reversed_pass_at_64_columns_against_float64(monkeypatch, interpret, gate):
     """The reversed pass at 64 value columns, what K = 128 gets where the blocks fill the SMs
     (vjp.Passes.fitted; here by counting one SM): with gates its state term reads one part of S
