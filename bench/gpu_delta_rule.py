@@ -105,6 +105,19 @@ def inputs(seed, shape, gate, beta_law):
     return q, k, v, beta, g, ct
 
 
+def device_args(q, k, v, beta, g):
+    """`inputs`' arrays as the op takes them on the device: q, k, v bfloat16, beta and g float32,
+    g left out where it is None (DeltaNet; call `gate_free(fn)`)."""
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(beta)]
+    return args if g is None else [*args, jnp.asarray(g)]
+
+
+def gate_free(fn):
+    """fn(q, k, v, beta, g) as fn(q, k, v, beta) with g = None (DeltaNet), so that grad takes
+    every argument."""
+    return functools.partial(lambda q, k, v, beta, fn: fn(q, k, v, beta, None), fn=fn)
+
+
 def ours(backend):
     from gla_tpu import ops
 
@@ -277,10 +290,7 @@ class Bench:
 def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts=False):
     variant = shape[0]
     q, k, v, b_, g, ct = inputs(0, shape, gate, beta)
-    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(b_)]
-    if g is not None:
-        args.append(jnp.asarray(g))
-    jct = jnp.asarray(ct)
+    args, jct = device_args(q, k, v, b_, g), jnp.asarray(ct)
     gate = None if variant == "deltanet" else gate
     rec = functools.partial(bench.record, shape=shape, gate=gate, beta=beta)
     impls = [("ours_pallas_gpu", ours("pallas_gpu"))]
@@ -290,8 +300,8 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
         impls.append(("jla_mosaic_gpu", jla(JLA_KIND[variant])))
     reference = None
     for name, fn in impls:
-        if g is None:  # DeltaNet: no gate argument, so that grad takes every argument
-            fn = functools.partial(lambda q, k, v, beta, fn: fn(q, k, v, beta, None), fn=fn)
+        if g is None:
+            fn = gate_free(fn)
         left = list(modes)
         try:
             start = time.perf_counter()
@@ -315,8 +325,7 @@ def bench_shape(bench, shape, gate, beta, modes, ours_only, with_xla=True, parts
         except Exception as e:  # a peer that cannot take a shape is reported, not fatal
             rec(impl=name, mode=left[0] if left else "fwd", error=_error(e))
     try:
-        prep = (lambda q, k, v, beta: ours_operands_only(q, k, v, beta, None)) if g is None \
-            else ours_operands_only
+        prep = gate_free(ours_operands_only) if g is None else ours_operands_only
         rec(impl="ours_pallas_gpu_operands", mode="fwd", timing=time_jax(prep, *args),
             note="the XLA part of ours_pallas_gpu's forward alone")
     except Exception as e:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import glob
 import json
 import os
@@ -57,7 +56,7 @@ def kernel_times(fn, *args, iters: int = 10, plane_prefix: str = "/device:GPU",
 
 
 def main(argv=None):
-    from bench.gpu_delta_rule import GATES, SHAPES, inputs, ours
+    from bench.gpu_delta_rule import GATES, SHAPES, device_args, gate_free, inputs, ours
     from bench.gpu_side_by_side import fwd_bwd
     from bench.harness import environment
 
@@ -74,12 +73,8 @@ def main(argv=None):
     for index in args.shapes.split(","):
         shape = SHAPES[int(index)]
         q, k, v, beta, g, ct = inputs(0, shape, args.gate, "sigmoid")
-        call = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(beta)]
-        fn = ours("pallas_gpu")
-        if g is None:
-            fn = functools.partial(lambda q, k, v, beta, fn: fn(q, k, v, beta, None), fn=fn)
-        else:
-            call.append(jnp.asarray(g))
+        call = device_args(q, k, v, beta, g)
+        fn = ours("pallas_gpu") if g is not None else gate_free(ours("pallas_gpu"))
         for mode, jitted in (("fwd", jax.jit(fn)),
                              ("fwd+bwd", jax.jit(fwd_bwd(fn, jnp.asarray(ct))))):
             kernels = kernel_times(jitted, *call, iters=args.iters)

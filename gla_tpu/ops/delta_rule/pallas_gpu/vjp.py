@@ -113,8 +113,6 @@ def _bwd(dtype, passes, interpret, residuals, cotangents):
     do = jnp.zeros(u.shape, dtype) if isinstance(do, SymbolicZero) else do.astype(dtype)
     dfinal = None if isinstance(dfinal, SymbolicZero) else dfinal.astype(F32)
     du, dh_hi, dh_lo, term, ds0 = reversed_pass(residuals, do, dfinal, passes, interpret)
-    if term is None:  # no gates: b_last is constant, its cotangent unused
-        term = jnp.zeros((*last.shape[:3], 1, last.shape[3]), F32)
     d_k_out, du, d_last, d_q_in, d_scores, d_w_neg = chunk_cotangents(
         do, u, du, (hi, lo), (dh_hi, dh_lo), last, term, interpret=interpret,
         kernel=passes.cotangents_kernel)
@@ -143,8 +141,9 @@ def chunk_cotangents(do, u, du, h_parts, dh_parts, last, term, *, interpret, ker
     (kernels_mosaic_cotangents.py) where it takes K and V, else XLA. XLA's are float32; the
     kernel's d u0 (du itself) and d w_neg are in the 16-bit dtype, as the operands' backward
     (operands.py), the kernel's only consumer, takes them (products' 16-bit operands), and the
-    rest float32."""
-    d_last = jnp.exp(last) * jnp.sum(term, axis=3)  # [B, N, HV, K]
+    rest float32. term None (no gates: b_last is constant): d b_last is zero."""
+    d_last = (jnp.zeros(last.shape, F32) if term is None
+              else jnp.exp(last) * jnp.sum(term, axis=3))  # [B, N, HV, K]
     if kernel and kernels_mosaic_cotangents.takes(h_parts[0].shape[3], u.shape[3]):
         d_q_in, d_k_out, d_w_neg, d_scores = kernels_mosaic_cotangents.chunk_cotangents(
             do, u, du, h_parts, dh_parts, interpret=interpret)
