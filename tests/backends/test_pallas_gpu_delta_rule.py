@@ -115,13 +115,13 @@ def test_interpreter_fused_recurrent_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
-@pytest.mark.parametrize("gate,grad_kernels", [("head", 5), ("key", 2)])
+@pytest.mark.parametrize("gate,grad_kernels", [("head", 5), ("key", 3)])
 def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, grad_kernels):
     """The forward is two Mosaic GPU kernels (the WY operands, the state pass). The gradient of
-    every input runs the training forward's state pass and the reversed pass; with per-head
-    gates also the WY operands kernel (which then writes T), the per-chunk cotangents kernel and
-    the operands' backward kernel, while per-key gates take their operands and the per-chunk
-    cotangents from XLA (vjp.Passes.cotangents_kernel)."""
+    every input runs the WY operands kernel (which then writes T), the training forward's state
+    pass and the reversed pass; with per-head gates also the per-chunk cotangents kernel and
+    the operands' backward kernel, while per-key gates take the per-chunk cotangents
+    (vjp.Passes.cotangents_kernel) and the operands' backward from XLA."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
     s = jax.ShapeDtypeStruct
     q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)
@@ -327,13 +327,12 @@ def test_gpu_auto_runs_pallas_gpu_without_warning():
         ops.delta_rule(q, q, q, jnp.full((1, 200, 2), 0.5, F32), mode="chunk")
 
 
-@pytest.mark.parametrize("gate", ["head", "none"])
+@pytest.mark.parametrize("gate", ["head", "none", "key"])
 def test_operands_backward_matches_autodiff_of_xla_operands(gate):
-    """The WY operands' own backward (operands.operands_backward, what the kernel's operands take
-    under differentiation) against autodiff of the "xla" backend's operands in the same
-    token-major layout, in float64 with T inverted exactly: grouped value heads, two chunks with
-    a partial last one, strong per-head gates. The backward's arithmetic is float32, hence the
-    bound."""
+    """The WY operands' own backward (operands.operands_backward, and key_gate_backward for
+    per-key gates: what the kernel's operands take under differentiation) against autodiff of
+    the "xla" backend's operands in the same token-major layout, in float64 with T inverted
+    exactly: grouped value heads, two chunks with a partial last one, strong gates."""
     b, t, h, grp, kd, vd, c = 2, 100, 2, 2, 64, 64, operands.CHUNK
     hv = h * grp
     rng = np.random.default_rng(5)
@@ -341,8 +340,8 @@ def test_operands_backward_matches_autodiff_of_xla_operands(gate):
     q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
     v = rng.standard_normal((b, t, h, grp, vd))
     beta = 2.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h, grp))))
-    g = (-np.logaddexp(0.0, -rng.standard_normal((b, t, h, grp, 1))) * 4 if gate == "head"
-         else None)
+    g = (None if gate == "none" else
+         -np.logaddexp(0.0, -rng.standard_normal((b, t, h, grp, kd if gate == "key" else 1))) * 4)
     problem = DeltaRuleProblem(
         batch=b, seq_len=t, num_heads=h, num_value_heads=hv, key_dim=kd, value_dim=vd,
         gate_kind=gate, scale=0.3, mode="chunk", chunk_size=c, has_initial_state=False,
@@ -364,19 +363,24 @@ def test_operands_backward_matches_autodiff_of_xla_operands(gate):
         n = tp // c
         # T = (I + A)^-1 per chunk and value head: A_rx = beta_r k_r . k_x e^(b_r - b_x), x < r
         kc = np.repeat(np.asarray(kp).reshape(b, n, c, h, 1, kd), grp, 4).reshape(b, n, c, hv, kd)
-        b_sums = np.cumsum(np.asarray(gp).reshape(b, n, c, hv), axis=2)
-        decays = np.exp(b_sums[:, :, :, None] - b_sums[:, :, None, :])  # [B, N, r, x, HV]
-        a = (np.einsum("bnrhk,bnxhk->bnrxh", kc, kc) * decays
+        b_sums = np.cumsum(np.asarray(gp).reshape(b, n, c, hv, -1), axis=2)  # [B, N, C, HV, K|1]
+        decays = np.exp(b_sums[:, :, :, None] - b_sums[:, :, None, :])  # [B, N, r, x, HV, K|1]
+        a = (np.einsum("bnrhk,bnxhk,bnrxhk->bnrxh", kc, kc, np.broadcast_to(
+                 decays, decays.shape[:-1] + (kd,)))
              * np.asarray(bp).reshape(b, n, c, 1, hv))
         a = np.where(np.tril(np.ones((c, c)), -1)[None, None, :, :, None] > 0, a, 0.0)
         inverse = np.linalg.inv(np.eye(c) + np.moveaxis(a, 4, 2))  # [B, N, HV, r, x]
         inverse = jnp.asarray(np.moveaxis(inverse, 2, 3).reshape(b, tp, hv, c))
         scores, _, _, w_neg, u0, _ = outs
-        got = operands.operands_backward(qp, kp, vp, bp, gp, scores, w_neg, u0, inverse, cts,
-                                         scale=problem.scale, with_gates=gate == "head")
+        if gate == "key":
+            got = operands.key_gate_backward(qp, kp, vp, bp, gp, scores, w_neg, u0, inverse,
+                                             cts, scale=problem.scale)
+        else:
+            got = operands.operands_backward(qp, kp, vp, bp, gp, scores, w_neg, u0, inverse,
+                                             cts, scale=problem.scale, with_gates=gate == "head")
     got = [got[0][:, :t], got[1][:, :t], got[2][:, :t].reshape(b, t, h, grp, vd),
            got[3][:, :t].reshape(b, t, h, grp),
-           None if got[4] is None else got[4][:, :t].reshape(b, t, h, grp, 1)]
+           None if got[4] is None else got[4][:, :t].reshape(b, t, h, grp, -1)]
     for name, x, y in zip(("dq", "dk", "dv", "dbeta", "dg"), got, expected):
         assert (x is None) == (y is None), name
         if y is not None:

@@ -165,7 +165,7 @@ def chunk_operands(q, k, v, beta, gates, c, input_dtype) -> ChunkOperands:
             pair = pair_decays(gc[..., 0])  # [B, H, G, N, C, C]: exp(b_i - b_j), j <= i
             scores, kk = scores * pair, kk * pair
         else:
-            scores, kk = _per_key_scores(qc, kc, gc, input_dtype)  # [B, H, G, N, C, C]
+            scores, kk = per_key_scores(qc, kc, gc, input_dtype)  # [B, H, G, N, C, C]
     # A_ij = beta_i (k_i e^(b_i - b_j)) . k_j for j < i; M_ij the same with q_i, j <= i
     a = jnp.where(_lift(_order(c, "after"), 6), betac[..., :, None] * kk, 0.0)  # [B, H, G, N, C, C]
     scores = jnp.where(_lift(_order(c, "from"), 6), scores, 0.0)
@@ -319,7 +319,7 @@ def pair_decays(g):
     return jnp.where(lower, jnp.exp(_range_sums(g)), 0.0)
 
 
-def _per_key_scores(qc, kc, gc, input_dtype):
+def per_key_scores(qc, kc, gc, input_dtype):
     """Secondary chunking of per-key decays: sub-chunk pairs I > J factor through the boundary
     before I, exp(b_i - b_j) = exp(sum over [start(I), i]) exp(sum over (j, start(I))), both
     exponents <= 0; the diagonal sub-chunks take the elementwise [c, c, K] decays.

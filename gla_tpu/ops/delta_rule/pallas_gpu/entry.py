@@ -189,12 +189,8 @@ def wy_kernel_operands(q, k, v_, beta, gates, *, problem, interpret):
 
 def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
-    state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel. Differentiated:
-    per-head gates and none by the operands' own backward (operands.py), per-key gates by
-    autodiff of XLA's operands (`_key_gate_operands_and_passes`)."""
-    if problem.gate_kind == "key":
-        return _key_gate_operands_and_passes(q, k, v_, beta, gates, initial_state, problem,
-                                             interpret)
+    state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel, differentiated by
+    their own backward (operands.py)."""
     wy = operands.wy_operands(q, k, v_, beta, gates, problem=problem, interpret=interpret)
     return _passes_on_kernel_operands(wy, initial_state, problem, interpret, q.shape[0])
 
@@ -208,15 +204,6 @@ def _passes_on_kernel_operands(wy, initial_state, problem, interpret, batch):
     o, final = vjp.state_passes(k_out, u0, last, s0, q_in, scores, w_neg,
                                 jnp.dtype(problem.dtype), _passes(batch, problem), interpret)
     return o[..., :vd], final[..., :vd]
-
-
-# Per-key gates: the forward alone takes the operands from the Mosaic GPU kernel; under
-# differentiation they come from XLA ("xla"'s chunk_operands), whose autodiff carries the state
-# passes' cotangents back to the inputs.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _key_gate_operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
-    wy = wy_kernel_operands(q, k, v_, beta, gates, problem=problem, interpret=interpret)
-    return _passes_on_kernel_operands(wy, initial_state, problem, interpret, q.shape[0])
 
 
 def _passes(batch, problem):
@@ -244,19 +231,6 @@ def _passes_on_xla_operands(q, k, v_, beta, gates, initial_state, problem, inter
     o, final = vjp.state_passes(*operands, passes, interpret)
     vd = problem.value_dim
     return o[..., :vd], final[..., :vd]
-
-
-def _key_gate_fwd(q, k, v_, beta, gates, initial_state, problem, interpret):
-    return jax.vjp(functools.partial(_passes_on_xla_operands, problem=problem,
-                                     interpret=interpret),
-                   q, k, v_, beta, gates, initial_state)
-
-
-def _key_gate_bwd(problem, interpret, pullback, cotangents):
-    return pullback(cotangents)  # XLA's
-
-
-_key_gate_operands_and_passes.defvjp(_key_gate_fwd, _key_gate_bwd)
 
 
 def kernel_operands(q, k, v_, beta, gates, initial_state, *, problem):

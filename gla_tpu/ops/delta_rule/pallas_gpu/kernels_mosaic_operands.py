@@ -235,9 +235,9 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret,
     up to 128, V of 64 up to 256; HV = H * group), beta [B, Tp, HV] float32, g float32 log gates
     [B, Tp, HV, K] (per key) or [B, Tp, HV] (per head; zeros for none) -> (scores [B, Tp, HV, C],
     q_in, k_out, w_neg [B, Tp, HV, K], u0 [B, Tp, HV, V] in the input dtype, last [B, N, HV, K]
-    float32): the module docstring's operands, token-major. `with_inverse` (per-head gates and
-    none) adds T = (I + A)^-1 [B, Tp, HV, C] (each chunk's rows) rounded to the input dtype, as w
-    and u0 take it: the operands' backward reads it."""
+    float32): the module docstring's operands, token-major. `with_inverse` adds
+    T = (I + A)^-1 [B, Tp, HV, C] (each chunk's rows) rounded to the input dtype, as w and u0
+    take it: the operands' backward reads it."""
     bsz, tp, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     c, dtype = CHUNK, q.dtype
@@ -247,21 +247,21 @@ def wy_operands(q, k, v, beta, g, *, group: int, scale: float, interpret,
                          f"of {SLAB}, K <= {MAX_KEY_DIM}, V <= {MAX_VALUE_DIM}")
     levels = pair_levels.num_levels(c)
     per_head = g.ndim == 3
-    if with_inverse and not per_head:
-        raise ValueError("with_inverse takes per-head gates (or none, as zeros)")
     # beta k e^b and w: in T's and A_L T's buffers where they are bfloat16 ([2, C, C] holds
     # [slabs, C, SLAB] as C = SLAB), else buffers of their own
     shared_kb = per_head and jnp.dtype(dtype) == jnp.dtype(BF16)
 
     def body(q_ref, k_ref, v_ref, beta_ref, g_ref, *refs):
-        t_ref = None
+        t_ref = r_ref = None
+        if not per_head:
+            r_ref, *refs = refs  # the range matrices (an input)
+        if with_inverse:
+            t_ref, *refs = refs
         if per_head:
-            if with_inverse:
-                t_ref, *refs = refs
             (m_ref, q_in_ref, k_out_ref, w_ref, u0_ref, last_ref, q_smem, k_smem, v_smem,
              gu_smem, t_smem, y_smem, m_smem, last_s, beta_vec, g_vec, loaded, *kb_w) = refs
         else:
-            (r_ref, m_ref, q_in_ref, k_out_ref, w_ref, u0_ref, last_ref, q_smem, k_smem, v_smem,
+            (m_ref, q_in_ref, k_out_ref, w_ref, u0_ref, last_ref, q_smem, k_smem, v_smem,
              gates, rest, ranges, buffers, t_smem, y_smem, m_smem, last_s, beta_vec, loaded,
              ranges_in) = refs
         chunk, head, batch = (lax.axis_index(x) for x in ("chunk", "head", "batch"))

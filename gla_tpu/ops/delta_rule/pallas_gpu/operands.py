@@ -85,11 +85,9 @@ def kernel_operands(q, k, v_, beta, gates, *, problem, interpret, with_inverse=F
 
 
 def wy_operands(q, k, v_, beta, gates, *, problem, interpret):
-    """Grouped inputs (`xla.grouped_inputs`; gates per head [B, T, H, G, 1] or None) ->
+    """Grouped inputs (`xla.grouped_inputs`; gates [B, T, H, G, K|1] or None) ->
     (scores [B, Tp, HV, C], q_in, k_out, w_neg [B, Tp, HV, Kp], u0 [B, Tp, HV, Vp] in the input
     dtype, last [B, N, HV, Kp] float32), differentiable (the module docstring)."""
-    if gates is not None and gates.shape[-1] != 1:
-        raise ValueError("the WY operands' own backward takes per-head gates or none")
     return _padded_operands(*padded_inputs(q, k, v_, beta, gates, problem),
                             jnp.dtype(problem.dtype), problem.group, problem.scale,
                             gates is not None, interpret)
@@ -112,8 +110,10 @@ def _fwd(q, k, v, beta, g, dtype, group, scale, with_gates, interpret):
 def _bwd(dtype, group, scale, with_gates, interpret, residuals, cotangents):
     del dtype
     inputs, scores, w_neg, u0, inverse = residuals
-    _, k, v, _, _ = inputs
-    if kernels_mosaic_operands_backward.takes(k.shape[3], v.shape[3]):
+    _, k, v, _, g = inputs
+    if g.ndim == 4:  # per-key gates
+        grads = key_gate_backward(*inputs, scores, w_neg, u0, inverse, cotangents, scale=scale)
+    elif kernels_mosaic_operands_backward.takes(k.shape[3], v.shape[3]):
         grads = kernel_backward(*inputs, scores, w_neg, u0, inverse, cotangents, group=group,
                                 scale=scale, with_gates=with_gates, interpret=interpret)
     else:
@@ -166,18 +166,7 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, 
     hv = v.shape[2]
     c, n, dtype = CHUNK, tp // CHUNK, q.dtype
     d_scores, d_q_in, d_k_out, d_w_neg, du0, d_last = cotangents
-
-    def chunked(x):  # [B, Tp, H|HV, ...] -> [B, N, H, G|1, C, ...]
-        heads = x.shape[2]
-        x = x.reshape(bsz, n, c, h, heads // h, *x.shape[3:])
-        return jnp.moveaxis(x, 2, 4)
-
-    def tokens(x):  # [B, N, H, G|1, C, ...] -> [B, Tp, H * (G|1), ...]
-        x = jnp.moveaxis(x, 4, 2)
-        return x.reshape(bsz, tp, -1, *x.shape[5:])
-
-    def dot(spec, x, y):  # 16-bit operands, float32 sums
-        return jnp.einsum(spec, x.astype(dtype), y.astype(dtype), preferred_element_type=F32)
+    chunked, tokens, dot = _chunk_layout(bsz, tp, h, dtype)
 
     r, x = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
     strict = r > x  # [C (r), C (x)]
@@ -229,6 +218,77 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, 
         dg = chunk_gate_cotangent(pair_sums, entry, tail, d_b_last)
         dg = tokens(dg[..., None])[..., 0]
     return (tokens(dq), tokens(dk), tokens(dv), tokens(dbeta[..., None])[..., 0], dg)
+
+
+def _chunk_layout(bsz: int, tp: int, h: int, dtype):
+    """(chunked, tokens, dot) for the operands' backward in XLA: chunked [B, Tp, H|HV, ...] ->
+    [B, N, H, G|1, C, ...], tokens its inverse, dot an einsum of 16-bit operands with float32
+    sums."""
+    c = CHUNK
+    n = tp // c
+
+    def chunked(x):
+        heads = x.shape[2]
+        x = x.reshape(bsz, n, c, h, heads // h, *x.shape[3:])
+        return jnp.moveaxis(x, 2, 4)
+
+    def tokens(x):  # [B, N, H, G|1, C, ...] -> [B, Tp, H * (G|1), ...]
+        x = jnp.moveaxis(x, 4, 2)
+        return x.reshape(bsz, tp, -1, *x.shape[5:])
+
+    def dot(spec, x, y):
+        return jnp.einsum(spec, x.astype(dtype), y.astype(dtype), preferred_element_type=F32)
+
+    return chunked, tokens, dot
+
+
+def key_gate_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *, scale):
+    """`operands_backward` for per-key gates g [B, Tp, HV, Kp] (float32), in XLA: the parts
+    through T as there (docs/delta_rule_math.md, "Backward of the operands", each decay per key),
+    and the scores' pullback by autodiff of "xla"'s per-key scores (`xla.per_key_scores`,
+    recomputed from q, k and g: their secondary chunking). Returns float32 dq, dk [B, Tp, H, Kp],
+    dv [B, Tp, HV, Vp], dbeta [B, Tp, HV] and dg [B, Tp, HV, Kp]."""
+    del scores  # recomputed with its pullback
+    bsz, tp, h, _ = q.shape
+    c, dtype = CHUNK, q.dtype
+    d_scores, d_q_in, d_k_out, d_w_neg, du0, d_last = cotangents
+    chunked, tokens, dot = _chunk_layout(bsz, tp, h, dtype)
+    r, x = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+    gc = chunked(g)  # [B, N, H, G, C, Kp] float32 (float64 in the float64 tests)
+    q32, k32 = chunked(q).astype(gc.dtype), chunked(k).astype(gc.dtype)  # [B, N, H, 1, C, Kp]
+    betac = chunked(beta)[..., None]  # [B, N, H, G, C, 1]
+    b_sums, tail_sums = xla.entry_and_tail_sums(gc)  # b, b_last - b
+    e_b, e_after = jnp.exp(b_sums), jnp.exp(tail_sums)
+
+    t_c = chunked(inverse)  # [.., C, C] 16-bit
+    dkb = dot("...jr,...jk->...rk", t_c, -chunked(d_w_neg))  # T^T dw
+    dvb = dot("...jr,...jv->...rv", t_c, chunked(du0))  # T^T du0
+    da = dot("...rk,...xk->...rx", dkb, chunked(w_neg)) - dot("...rv,...xv->...rx", dvb,
+                                                             chunked(u0))
+    da = jnp.where(r > x, da, 0.0)  # dA = -strict_lower(dkb w^T + dvb u0^T)
+
+    # M = scale (q k^T decayed), A = beta (k k^T decayed): the scores' pullback
+    (_, kk), pullback = jax.vjp(
+        lambda q_, k_, g_: xla.per_key_scores(q_, k_, g_, dtype), q32, k32, gc)
+    d_m = jnp.where(r >= x, scale * chunked(d_scores).astype(gc.dtype), 0.0)
+    dq, dk, dg = pullback((d_m, (betac * da).astype(gc.dtype)))
+
+    sum_g = functools.partial(jnp.sum, axis=3, keepdims=True)  # over a head's value heads
+    d_q_in, d_k_out = chunked(d_q_in).astype(F32), chunked(d_k_out).astype(F32)
+    kb = betac * k32 * e_b
+    dq = dq + sum_g(scale * e_b * d_q_in)
+    dk = dk + sum_g(betac * e_b * dkb + e_after * d_k_out)
+    dv = betac * dvb
+    dbeta = (jnp.sum(dvb * chunked(v).astype(F32), -1) + jnp.sum(dkb * k32 * e_b, -1)
+             + jnp.sum(da * kk, -1))
+    # b_r (through e^b in q_in and kb) sums the gates over [0, r], b_last - b_r (k_out) over
+    # (r, C), b_last over the chunk
+    entry = dkb * kb + d_q_in * (scale * q32 * e_b)  # [.., C, Kp]
+    tail = d_k_out * (k32 * e_after)
+    d_b_last = d_last.reshape(bsz, -1, h, gc.shape[3], 1, gc.shape[-1])  # [B, N, H, G, 1, Kp]
+    dg = (dg + jax.lax.cumsum(entry, axis=entry.ndim - 2, reverse=True)
+          + jnp.cumsum(tail, axis=-2) - tail + d_b_last)
+    return (tokens(dq), tokens(dk), tokens(dv), tokens(dbeta[..., None])[..., 0], tokens(dg))
 
 
 def chunk_gate_cotangent(pair_sums, entry, tail, d_b_last):
