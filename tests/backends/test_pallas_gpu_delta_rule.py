@@ -115,13 +115,14 @@ def test_interpreter_fused_recurrent_against_float64_recurrence(case, dtype):
                             interpret=True)
 
 
-@pytest.mark.parametrize("gate,grad_kernels", [("head", 5), ("key", 3)])
+@pytest.mark.parametrize("gate,grad_kernels", [("head", 5), ("key", 5)])
 def test_lowers_to_mosaic_kernels_for_hopper(monkeypatch, gate, grad_kernels):
     """The forward is two Mosaic GPU kernels (the WY operands, the state pass). The gradient of
     every input runs the WY operands kernel (which then writes T), the training forward's state
     pass and the reversed pass; with per-head gates also the per-chunk cotangents kernel and
-    the operands' backward kernel, while per-key gates take the per-chunk cotangents
-    (vjp.Passes.cotangents_kernel) and the operands' backward from XLA."""
+    the operands' backward kernel; per-key gates take the per-chunk cotangents from XLA
+    (vjp.Passes.cotangents_kernel) and the scores' pullback from GLA's pair-level kernel, twice
+    (operands.key_gate_backward)."""
     monkeypatch.setattr(backends, "is_hopper", lambda: True)
     s = jax.ShapeDtypeStruct
     q, v = s((2, 1000, 2, 128), BF16), s((2, 1000, 4, 128), BF16)

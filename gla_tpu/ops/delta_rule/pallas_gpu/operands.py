@@ -26,6 +26,7 @@ from gla_tpu.ops.delta_rule.pallas_gpu import (
     kernels_mosaic_operands,
     kernels_mosaic_operands_backward,
 )
+from gla_tpu.ops.gla.pallas_gpu import kernels_mosaic_grads
 
 CHUNK = kernels_mosaic_operands.CHUNK
 MAX_KEY_DIM = kernels_mosaic_operands.MAX_KEY_DIM
@@ -112,7 +113,8 @@ def _bwd(dtype, group, scale, with_gates, interpret, residuals, cotangents):
     inputs, scores, w_neg, u0, inverse = residuals
     _, k, v, _, g = inputs
     if g.ndim == 4:  # per-key gates
-        grads = key_gate_backward(*inputs, scores, w_neg, u0, inverse, cotangents, scale=scale)
+        grads = key_gate_backward(*inputs, scores, w_neg, u0, inverse, cotangents, scale=scale,
+                                  interpret=interpret, kernel=True)
     elif kernels_mosaic_operands_backward.takes(k.shape[3], v.shape[3]):
         grads = kernel_backward(*inputs, scores, w_neg, u0, inverse, cotangents, group=group,
                                 scale=scale, with_gates=with_gates, interpret=interpret)
@@ -183,14 +185,9 @@ def operands_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, 
         e_b = e_after = 1.0
         decays = jnp.broadcast_to(r >= x, (1,) * 4 + (c, c)).astype(F32)
 
-    t_c = chunked(inverse)  # [.., C, C] 16-bit
-    dw = -chunked(d_w_neg)
-    dkb = dot("...jr,...jk->...rk", t_c, dw)  # T^T dw  [.., C, Kp]
-    dvb = dot("...jr,...jv->...rv", t_c, chunked(du0))  # T^T du0  [.., C, Vp]
-    # dA = -strict_lower(dkb w^T + dvb u0^T): w = T kb = -w_neg, u0 = T vb
-    da = dot("...rk,...xk->...rx", dkb, chunked(w_neg)) - dot("...rv,...xv->...rx", dvb,
-                                                             chunked(u0))
-    da = jnp.where(strict, da, 0.0)
+    # dkb = T^T dw [.., C, Kp], dvb = T^T du0 [.., C, Vp], dA [.., C, C]
+    dkb, dvb, da = _through_inverse(chunked(inverse), chunked(d_w_neg), chunked(du0),
+                                    chunked(w_neg), chunked(u0), dot)
     kk = jnp.where(strict, dot("...rk,...xk->...rx", kc, kc) * decays, 0.0)  # k k^T D, x < r
     g_a = betac[..., None] * da * decays  # d(k k^T) from A = beta (k k^T D)
     d_m = chunked(d_scores)
@@ -242,12 +239,18 @@ def _chunk_layout(bsz: int, tp: int, h: int, dtype):
     return chunked, tokens, dot
 
 
-def key_gate_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *, scale):
-    """`operands_backward` for per-key gates g [B, Tp, HV, Kp] (float32), in XLA: the parts
-    through T as there (docs/delta_rule_math.md, "Backward of the operands", each decay per key),
-    and the scores' pullback by autodiff of "xla"'s per-key scores (`xla.per_key_scores`,
+def key_gate_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *, scale,
+                      interpret=False, kernel=False):
+    """`operands_backward` for per-key gates g [B, Tp, HV, Kp] (float32): the parts through T as
+    there, in XLA (docs/delta_rule_math.md, "Backward of the operands", each decay per key), and
+    the pullback of the decayed scores M and A with q_in, k_in and k_out: with `kernel`, GLA's
+    pair-level backward kernel on given cotangents (`kernels_mosaic_grads.score_grads`), twice
+    (`_key_scores_by_kernel`); else autodiff of "xla"'s per-key scores (`xla.per_key_scores`,
     recomputed from q, k and g: their secondary chunking). Returns float32 dq, dk [B, Tp, H, Kp],
     dv [B, Tp, HV, Vp], dbeta [B, Tp, HV] and dg [B, Tp, HV, Kp]."""
+    if kernel:
+        return _key_scores_by_kernel(q, k, v, beta, g, w_neg, u0, inverse, cotangents,
+                                     scale=scale, interpret=interpret)
     del scores  # recomputed with its pullback
     bsz, tp, h, _ = q.shape
     c, dtype = CHUNK, q.dtype
@@ -260,12 +263,8 @@ def key_gate_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, 
     b_sums, tail_sums = xla.entry_and_tail_sums(gc)  # b, b_last - b
     e_b, e_after = jnp.exp(b_sums), jnp.exp(tail_sums)
 
-    t_c = chunked(inverse)  # [.., C, C] 16-bit
-    dkb = dot("...jr,...jk->...rk", t_c, -chunked(d_w_neg))  # T^T dw
-    dvb = dot("...jr,...jv->...rv", t_c, chunked(du0))  # T^T du0
-    da = dot("...rk,...xk->...rx", dkb, chunked(w_neg)) - dot("...rv,...xv->...rx", dvb,
-                                                             chunked(u0))
-    da = jnp.where(r > x, da, 0.0)  # dA = -strict_lower(dkb w^T + dvb u0^T)
+    dkb, dvb, da = _through_inverse(chunked(inverse), chunked(d_w_neg), chunked(du0),
+                                    chunked(w_neg), chunked(u0), dot)
 
     # M = scale (q k^T decayed), A = beta (k k^T decayed): the scores' pullback
     (_, kk), pullback = jax.vjp(
@@ -289,6 +288,51 @@ def key_gate_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, 
     dg = (dg + jax.lax.cumsum(entry, axis=entry.ndim - 2, reverse=True)
           + jnp.cumsum(tail, axis=-2) - tail + d_b_last)
     return (tokens(dq), tokens(dk), tokens(dv), tokens(dbeta[..., None])[..., 0], tokens(dg))
+
+
+def _through_inverse(t_c, d_w_neg, du0, w_neg, u0, dot):
+    """dkb = T^T dw, dvb = T^T du0 and dA = -strict_lower(dkb w^T + dvb u0^T) (w = T kb = -w_neg,
+    u0 = T vb), chunked (`_chunk_layout`), float32."""
+    c = CHUNK
+    dkb = dot("...jr,...jk->...rk", t_c, -d_w_neg)
+    dvb = dot("...jr,...jv->...rv", t_c, du0)
+    da = dot("...rk,...xk->...rx", dkb, w_neg) - dot("...rv,...xv->...rx", dvb, u0)
+    return dkb, dvb, jnp.where(jnp.arange(c)[:, None] > jnp.arange(c)[None, :], da, 0.0)
+
+
+def _key_scores_by_kernel(q, k, v, beta, g, w_neg, u0, inverse, cotangents, *, scale,
+                          interpret):
+    """`key_gate_backward` with the scores' pullback in GLA's pair-level kernel, twice:
+    M = scale (q k^T decayed) with q_in = scale q e^b and k_out (cotangents scale dM, scale
+    d q_in, d k_out), then A = beta (k k^T decayed) as the scores of (beta k) against k with
+    kb = (beta k) e^b (cotangents dA and dkb; the kernel's d(beta k) gives beta's and k's rows'
+    shares). The kernel sums dg's per-token terms of b, b_last - b inside the chunk; b_last's
+    own cotangent is added here."""
+    bsz, tp, h, _ = q.shape
+    dtype = q.dtype
+    d_scores, d_q_in, d_k_out, d_w_neg, du0, d_last = cotangents
+    chunked, tokens, dot = _chunk_layout(bsz, tp, h, dtype)
+    dkb, dvb, da = _through_inverse(chunked(inverse), chunked(d_w_neg), chunked(du0),
+                                    chunked(w_neg), chunked(u0), dot)
+    hv = g.shape[2]
+    beta_k = (beta[..., None] * jnp.repeat(k.astype(F32), hv // h, axis=2)).astype(dtype)
+    dq_m, dk_m, dg_m = kernels_mosaic_grads.score_grads(
+        q, k, g, scale * d_scores.astype(F32), scale * d_q_in.astype(F32), d_k_out,
+        interpret=interpret)
+    d_beta_k, dk_a, dg_a = kernels_mosaic_grads.score_grads(
+        beta_k, k, g, tokens(da), tokens(dkb), jnp.zeros(g.shape, F32), interpret=interpret)
+
+    def by_head(x):  # [B, Tp, HV, Kp] -> summed over each head's value heads [B, Tp, H, Kp]
+        return x.reshape(bsz, tp, h, hv // h, x.shape[-1]).sum(3)
+
+    k_v = jnp.repeat(k.astype(F32), hv // h, axis=2)  # [B, Tp, HV, Kp]
+    dq = by_head(dq_m)
+    dk = by_head(dk_m + dk_a + beta[..., None] * d_beta_k)
+    dv = tokens(chunked(beta)[..., None] * dvb)
+    dbeta = (tokens(jnp.sum(dvb * chunked(v).astype(F32), -1)[..., None])[..., 0]
+             + jnp.sum(k_v * d_beta_k, -1))
+    d_b_last = jnp.repeat(d_last, CHUNK, axis=1)  # [B, N, HV, Kp] -> every token's
+    return dq, dk, dv, dbeta, dg_m + dg_a + d_b_last
 
 
 def chunk_gate_cotangent(pair_sums, entry, tail, d_b_last):

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gla_tpu.ops.common import pair_levels
-from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, interpret_params
+from gla_tpu.ops.common.mosaic_gpu import SWIZZLED, SWIZZLED_F32, interpret_params
 from gla_tpu.ops.gla.pallas_gpu.kernels_mosaic_levels import (
     BF16,
     CHUNK,
@@ -109,21 +109,74 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
     v, do have H / groups heads."""
     bsz, tp, h, kd = q.shape
     vd = v.shape[-1]
-    c, dtype = CHUNK, q.dtype
-    n, slabs, vtiles = tp // c, kd // SLAB, vd // SLAB
+    c = CHUNK
+    n, vtiles = tp // c, vd // SLAB
     if tp % c or kd % SLAB or vd % SLAB or vtiles > VALUE_TILES:
         raise ValueError(f"padded T={tp}, K={kd}, V={vd}: T and K multiples of {c} and {SLAB}, "
                          f"V a multiple of {SLAB} up to {VALUE_TILES * SLAB}")
     term_tiles = term.shape[3]  # the state pass's value tiles
     if term.shape != (bsz, n, h, term_tiles, kd) or vd % term_tiles:
         raise ValueError(f"term {term.shape}: expected {(bsz, n, h, 'a divisor of V', kd)}")
+    return _pair_level_grads(q, k, g, (v, do, last, h_hi, dh, term), scale=scale,
+                             interpret=interpret, groups=groups)
+
+
+def score_grads(q, k, g, da, q_inter, k_inter, *, interpret):
+    """The pullback of a chunk's decayed scores and of its decayed q and k, per key, from given
+    cotangents: the kernel of `chunk_grads` with dA, do h^T and v dh^T taken as inputs (the delta
+    rule's KDA backward, delta_rule/pallas_gpu/operands.py, runs it on its own scores). For
+
+        S_rx   = sum_K q_r k_x e^(b_r - b_x) on and below the diagonal (x <= r),
+        q_in   = q e^b,   k_out = k e^(b_last - b)          (b_last not a result here)
+
+    and da [B, Tp, HV, C] (each chunk's rows of dS, rounded to q's dtype; above the diagonal
+    not read), q_inter = d q_in, k_inter = d k_out [B, Tp, HV, K] float32, q and k
+    [B, Tp, H_q|H_k, K] (16-bit, one dtype; value head j reads head j // (HV / H_q) of q and
+    j // (HV / H_k) of k) and per-key gates g [B, Tp, HV, K] float32 -> dq, dk and dg
+    [B, Tp, HV, K] float32, per value head."""
+    bsz, tp, hv, kd = g.shape
+    if (tp % CHUNK or kd % SLAB or q.shape[::3] != (bsz, kd) or k.shape[::3] != (bsz, kd)
+            or q.shape[1] != tp or k.shape[1] != tp or hv % q.shape[2] or hv % k.shape[2]
+            or da.shape != (bsz, tp, hv, CHUNK) or q_inter.shape != g.shape
+            or k_inter.shape != g.shape):
+        raise ValueError(f"q {q.shape}, k {k.shape}, g {g.shape}, da {da.shape}, q_inter "
+                         f"{q_inter.shape}, k_inter {k_inter.shape}: T and K multiples of "
+                         f"{CHUNK} and {SLAB}, g, q_inter, k_inter [B, Tp, HV, K], q, k "
+                         f"[B, Tp, a divisor of HV, K], da [B, Tp, HV, {CHUNK}]")
+    return _pair_level_grads(q, k, g, (da.astype(q.dtype), q_inter.astype(F32),
+                                       k_inter.astype(F32)),
+                             scale=1.0, interpret=interpret, groups=1)
+
+
+def _pair_level_grads(q, k, g, front, *, scale, interpret, groups):
+    """The kernel of `chunk_grads` (front: v, do, last, h_hi, dh, term; dA and the inter-chunk
+    parts from products over the value tiles, the state term of dg; v and do at head // groups)
+    and of `score_grads` (front: da, q_inter, k_inter, given; dq and dk float32 per value head;
+    q and k read at their heads' share of the value heads)."""
+    bsz, tp, h, kd = q.shape
+    given = len(front) == 3
+    heads = g.shape[2]  # the blocks' heads (value heads where given)
+    c, dtype = CHUNK, q.dtype
+    n, slabs = tp // c, kd // SLAB
+    if given:
+        vtiles = term_tiles = 0
+    else:
+        vtiles, term_tiles = front[0].shape[-1] // SLAB, front[5].shape[3]
     levels = pair_levels.num_levels(c)
     shape = (c, SLAB)
     per_head = g.ndim == 3
+    if given and per_head:
+        raise ValueError("score_grads takes per-key gates")
 
-    def body(q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, gr_ref,
+    def body(*refs):
+        if given:
+            (q_ref, k_ref, da_ref, qi_ref, ki_ref, g_ref, gr_ref, dgr_ref, dq_ref, dk_ref,
+             dg_ref, q_s, k_s, gates, ranges, da_s, pool, qi_s, ki_s, loaded, ranges_in,
+             *extra) = refs
+        else:
+            (q_ref, k_ref, v_ref, do_ref, g_ref, last_ref, h_ref, dh_ref, term_ref, gr_ref,
              dgr_ref, dq_ref, dk_ref, dg_ref, q_s, k_s, gates, ranges, da_s, pool, b_last,
-             terms, loaded, tile_loaded, ranges_in, *extra):
+             terms, loaded, tile_loaded, ranges_in, *extra) = refs
         # per-head gates: the chunk's gates in, then its dg summed over the slab's keys out
         head_vec = extra[0] if per_head else None
         # bfloat16 tiles: the parts of the dg sums and their range matrix; within the pool (its
@@ -134,6 +187,10 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         chunk, slab = lax.div(flat, jnp.int32(slabs)), lax.rem(flat, jnp.int32(slabs))
         kcols = pl.ds(slab * SLAB, SLAB)
         tokens = (batch, pl.ds(chunk * c, c), head)
+        q_tokens, k_tokens = tokens, tokens
+        if given:  # q and k at their heads' share of the value heads
+            q_tokens, k_tokens = ((batch, pl.ds(chunk * c, c), head // (heads // x.shape[2]))
+                                  for x in (q, k))
 
         def fetch_ranges(i):
             """Range matrix i of GATE_RANGES + DG_RANGES into its buffer (arriving on
@@ -152,39 +209,30 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
                 pl.when(i >= len(GATE_RANGES))(dg_sum_ranges)
 
         fetch_ranges(0)
-        for src, dst in ((q_ref.at[tokens + (kcols,)], q_s), (k_ref.at[tokens + (kcols,)], k_s),
-                         (last_ref.at[batch, chunk, head, kcols], b_last),
-                         (term_ref.at[batch, chunk, head, :, kcols], terms)):
+        loads = [(q_ref.at[q_tokens + (kcols,)], q_s), (k_ref.at[k_tokens + (kcols,)], k_s)]
+        if given:
+            loads += [(da_ref.at[tokens], da_s), (qi_ref.at[tokens + (kcols,)], qi_s),
+                      (ki_ref.at[tokens + (kcols,)], ki_s)]
+        else:
+            loads += [(last_ref.at[batch, chunk, head, kcols], b_last),
+                      (term_ref.at[batch, chunk, head, :, kcols], terms)]
+        for src, dst in loads:
             plgpu.copy_gmem_to_smem(src, dst, loaded)
 
-        # value tile j's v, do, h_n and dh_{n+1} [64, 64] into stage j % 2 of the pool's ring
-        def load_tile(j):
-            stage, vcols = j % 2, pl.ds(j * SLAB, SLAB)
-            vtokens = (batch, pl.ds(chunk * c, c), head // groups, vcols)
-            for i, src in enumerate((v_ref.at[vtokens], do_ref.at[vtokens],
-                                     h_ref.at[batch, chunk, head, kcols, vcols],
-                                     dh_ref.at[batch, chunk, head, kcols, vcols])):
-                plgpu.copy_gmem_to_smem(src, pool.at[4 * stage + i], tile_loaded.at[stage])
-
-        for j in range(min(vtiles, 2)):
-            load_tile(j)
-        load_gates(g_ref, tokens, kcols, gates, loaded, head_vec)
-
-        # dA = scale do v^T (lower triangle), do h_n^T and v dh_{n+1}^T, summed over value tiles
-        da = q_inter = k_inter = None
-        for j in range(vtiles):
-            v_j, do_j, h_j, dh_j = (pool.at[4 * (j % 2) + i] for i in range(4))
-            plgpu.barrier_wait(tile_loaded.at[j % 2])
-            da = matmul([(do_j, T(v_j))], (c, c), interpret=interpret, init=da)
-            q_inter = matmul([(do_j, T(h_j))], shape, interpret=interpret, init=q_inter)
-            k_inter = matmul([(v_j, T(dh_j))], shape, interpret=interpret, init=k_inter)
-            if j + 2 < vtiles:
-                operands_released(interpret=interpret)  # stage j % 2 is read
-                load_tile(j + 2)
-        r, x = iota((c, c), 0), iota((c, c), 1)
-        da = jnp.where(r >= x, da * scale, 0.0)
-        diag = rows(_diagonal(da), shape)
-        da_s[...] = da.astype(dtype)
+        if given:
+            load_gates(g_ref, tokens, kcols, gates, loaded, head_vec)
+            da = plgpu.load(da_s, layout=plgpu.Layout.WGMMA).astype(F32)
+            q_inter = plgpu.load(qi_s, layout=plgpu.Layout.WGMMA)
+            k_inter = plgpu.load(ki_s, layout=plgpu.Layout.WGMMA)
+            diag = rows(_diagonal(da), shape)
+        else:
+            da, q_inter, k_inter = _value_products(
+                v_ref, do_ref, h_ref, dh_ref, pool, tile_loaded, g_ref, gates, loaded, head_vec,
+                (batch, chunk, head), kcols, vtiles, groups, interpret=interpret)
+            r, x = iota((c, c), 0), iota((c, c), 1)
+            da = jnp.where(r >= x, da * scale, 0.0)
+            diag = rows(_diagonal(da), shape)
+            da_s[...] = da.astype(dtype)
 
         # the inter-chunk parts, weighted by exp(b) and exp(b_last - b); each range matrix is
         # fetched once every warp is past the sums of the one before
@@ -234,8 +282,10 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         grad_q, grad_k, cancel = lax.fori_loop(0, levels, level_step, (grad_q, grad_k, cancel))
 
         # dg = sum_{s < t} Y_s + e^(b_last) term + sum_{s >= t} cancel_s
-        term = sum(plgpu.load(terms.at[j], layout=COL) for j in range(term_tiles))
-        state = cols(jnp.exp(plgpu.load(b_last, layout=COL)) * term, shape)
+        state = None
+        if not given:
+            term = sum(plgpu.load(terms.at[j], layout=COL) for j in range(term_tiles))
+            state = cols(jnp.exp(plgpu.load(b_last, layout=COL)) * term, shape)
         plgpu.barrier_wait(ranges_in)  # before (fetched by the last level)
         dg = matmul([(dg_ranges, part) for part in y_parts], shape, interpret=interpret,
                     init=state)
@@ -250,13 +300,15 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
             head_vec[...] = jnp.sum(dg, axis=1)
         else:
             dg_ref.at[tokens + (kcols,)][...] = dg
-        q_s[...] = grad_q.astype(dtype)
-        k_s[...] = grad_k.astype(dtype)
+        # dq and dk: float32 through the inter parts' tiles where given, else q's and k's
+        dq_s, dk_s = (qi_s, ki_s) if given else (q_s, k_s)
+        dq_s[...] = grad_q.astype(dq_s.dtype)
+        dk_s[...] = grad_k.astype(dk_s.dtype)
         plgpu.commit_smem()
         if per_head:
             plgpu.copy_smem_to_gmem(head_vec, dg_ref.at[batch, slab, head, pl.ds(chunk * c, c)])
-        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[tokens + (kcols,)])
-        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[tokens + (kcols,)])
+        plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[tokens + (kcols,)])
+        plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[tokens + (kcols,)])
         plgpu.wait_smem_to_gmem(0)
 
     tile = plgpu.SMEM((c, SLAB), dtype, transforms=SWIZZLED)
@@ -267,33 +319,85 @@ def chunk_grads(q, k, v, do, g, last, h_hi, dh, term, *, scale: float, interpret
         plgpu.SMEM((c, c), GATE_DTYPE, transforms=SWIZZLED),  # the gates' range matrices
         plgpu.SMEM((c, c), dtype, transforms=SWIZZLED),  # dA
         plgpu.SMEM((POOL, c, SLAB), dtype, transforms=SWIZZLED),
-        plgpu.SMEM((SLAB,), F32),  # b_last
-        plgpu.SMEM((term_tiles, SLAB), F32),  # the state term of each value tile
-        # q, k, b_last, the state term (, per-head gates)
-        plgpu.Barrier(num_arrivals=5 if per_head else 4),
-        plgpu.Barrier(num_arrivals=4, num_barriers=2),  # a value tile's four, per ring stage
-        plgpu.Barrier(),  # a range matrix is in
     ]
+    if given:
+        f32_tile = plgpu.SMEM((c, SLAB), F32, transforms=SWIZZLED_F32)
+        scratch += [
+            f32_tile,  # d q_in's slab, then dq
+            f32_tile,  # d k_out's slab, then dk
+            plgpu.Barrier(num_arrivals=5),  # q, k, dA, d q_in, d k_out
+            plgpu.Barrier(),  # a range matrix is in
+        ]
+    else:
+        scratch += [
+            plgpu.SMEM((SLAB,), F32),  # b_last
+            plgpu.SMEM((term_tiles, SLAB), F32),  # the state term of each value tile
+            # q, k, b_last, the state term (, per-head gates)
+            plgpu.Barrier(num_arrivals=5 if per_head else 4),
+            plgpu.Barrier(num_arrivals=4, num_barriers=2),  # a value tile's four, per stage
+            plgpu.Barrier(),  # a range matrix is in
+        ]
     if per_head:
         scratch.append(plgpu.SMEM((c,), F32))
     if dtype != BF16:
         scratch.append(plgpu.SMEM((4, c, SLAB), BF16, transforms=SWIZZLED))
-    token_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    out_heads = (bsz, tp, heads, kd)
+    token_type = jax.ShapeDtypeStruct(out_heads, F32 if given else dtype)
     # per-head dg: one [Tp] row per (batch, key slab, head), summed over the slabs below
-    dg_type = jax.ShapeDtypeStruct((bsz, slabs, h, tp) if per_head else q.shape, F32)
+    dg_type = jax.ShapeDtypeStruct((bsz, slabs, h, tp) if per_head else out_heads, F32)
     kernel = plgpu.kernel(
         body,
         out_type=[token_type, token_type, dg_type],
         scratch_types=scratch,
-        grid=(n * slabs, h, bsz),
+        grid=(n * slabs, heads, bsz),
         grid_names=("chunk_slab", "head", "batch"),
-        kernel_name="gla_grads_mosaic",
+        kernel_name="gla_score_grads_mosaic" if given else "gla_grads_mosaic",
         compiler_params=COMPILER_PARAMS,
         interpret=interpret_params(interpret),
     )
-    with jax.named_scope(f"gla_grads_mosaic_key_dim={kd}"):
-        dq, dk, dg = kernel(q, k, v, do, head_major_gates(g), last, h_hi, dh, term,
-                            range_constants(GATE_RANGES), range_constants(DG_RANGES, BF16))
+    ranges = (range_constants(GATE_RANGES), range_constants(DG_RANGES, BF16))
+    name = "gla_score_grads_mosaic" if given else "gla_grads_mosaic"
+    with jax.named_scope(f"{name}_key_dim={kd}"):
+        if given:
+            da, q_inter, k_inter = front
+            dq, dk, dg = kernel(q, k, da, q_inter, k_inter, g, *ranges)
+        else:
+            v, do, last, h_hi, dh, term = front
+            dq, dk, dg = kernel(q, k, v, do, head_major_gates(g), last, h_hi, dh, term, *ranges)
     if per_head:
         dg = jnp.swapaxes(jnp.sum(dg, axis=1), 1, 2)  # [B, Tp, H]
     return dq, dk, dg
+
+
+def _value_products(v_ref, do_ref, h_ref, dh_ref, pool, tile_loaded, g_ref, gates, loaded,
+                    head_vec, block, kcols, vtiles: int, groups: int, *, interpret):
+    """`chunk_grads`' first products, summed over the value tiles: (do v^T [C, C], do h_n^T and
+    v dh_{n+1}^T [C, SLAB]), float32; the value tiles [64, 64] of v, do, h_n and dh_{n+1} through
+    a ring of two stages in the pool, the slab's gates loaded while the first tiles fly."""
+    c = CHUNK
+    batch, chunk, head = block
+    tokens = (batch, pl.ds(chunk * c, c), head)
+    shape = (c, SLAB)
+
+    def load_tile(j):  # value tile j into stage j % 2 of the pool's ring
+        stage, vcols = j % 2, pl.ds(j * SLAB, SLAB)
+        vtokens = (batch, pl.ds(chunk * c, c), head // groups, vcols)
+        for i, src in enumerate((v_ref.at[vtokens], do_ref.at[vtokens],
+                                 h_ref.at[batch, chunk, head, kcols, vcols],
+                                 dh_ref.at[batch, chunk, head, kcols, vcols])):
+            plgpu.copy_gmem_to_smem(src, pool.at[4 * stage + i], tile_loaded.at[stage])
+
+    for j in range(min(vtiles, 2)):
+        load_tile(j)
+    load_gates(g_ref, tokens, kcols, gates, loaded, head_vec)
+    da = q_inter = k_inter = None
+    for j in range(vtiles):
+        v_j, do_j, h_j, dh_j = (pool.at[4 * (j % 2) + i] for i in range(4))
+        plgpu.barrier_wait(tile_loaded.at[j % 2])
+        da = matmul([(do_j, T(v_j))], (c, c), interpret=interpret, init=da)
+        q_inter = matmul([(do_j, T(h_j))], shape, interpret=interpret, init=q_inter)
+        k_inter = matmul([(v_j, T(dh_j))], shape, interpret=interpret, init=k_inter)
+        if j + 2 < vtiles:
+            operands_released(interpret=interpret)  # stage j % 2 is read
+            load_tile(j + 2)
+    return da, q_inter, k_inter
