@@ -7,10 +7,10 @@ Mode "chunk" on a Hopper GPU (or the Mosaic GPU interpreter on CPU). The forward
 kernels: the per-chunk WY operands (kernels_mosaic_operands.py: decayed scores, the inverse,
 w and u0, q_in and k_out; every exponent a range sum <= 0), then GLA's state pass with
 Pass.delta, which walks the chunks once with the state in registers and writes the outputs
-(vjp.py). Under differentiation, per-head gates and none keep the kernel's operands (it then
-also writes each chunk's T) and take them back to the inputs by their own backward in XLA
-(operands.py); per-key gates take the operands from the "xla" backend's `chunk_operands`, whose
-autodiff carries the state passes' cotangents back to the inputs. Padding: T to a
+(vjp.py). Under differentiation the operands kernel also writes each chunk's T, and the
+operands' own backward (operands.py) takes the state passes' cotangents back to the inputs: a
+Mosaic GPU kernel for per-head gates and none, and for per-key gates XLA's products through T
+with the scores' pullback in GLA's pair-level backward kernel. Padding: T to a
 multiple of 64 (tokens of beta = 0, g = 0), K to 64 or 128 and V to a multiple of 64 (operands
 kernel) or of the value tile (zero keys and values: the state's padded rows and columns stay
 zero). Segment starts are gates at the floor on every key, as in "xla".
@@ -50,10 +50,11 @@ CAPABILITIES = Capabilities(
     chunk_sizes=(CHUNK,),
     notes="fused_recurrent (T <= 16, V <= 512): a token-by-token kernel for decoding, the "
           "state read once and written once (Triton lowering); chunk: the per-chunk WY "
-          "operands in a Mosaic GPU kernel (per-key gates: in XLA under differentiation), "
-          "then one Mosaic GPU state pass over the chunks (state in registers, outputs "
-          "fused), forward and reversed; the backward's per-chunk cotangents and the operands' "
-          "backward in Mosaic GPU kernels (per-head and no gates, K and V up to 128; else XLA)",
+          "operands in a Mosaic GPU kernel, then one Mosaic GPU state pass over the chunks "
+          "(state in registers, outputs fused), forward and reversed; the backward's "
+          "per-chunk cotangents and the operands' backward in Mosaic GPU kernels (per-head "
+          "and no gates, K and V up to 128; per-key gates: the scores' pullback in GLA's "
+          "pair-level backward kernel, the rest in XLA)",
 )
 
 
