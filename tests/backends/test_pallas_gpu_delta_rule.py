@@ -426,3 +426,32 @@ def test_interpreter_operands_backward_kernel_against_xla(gate, group, key_dim, 
             assert x.shape == y.shape and x.dtype == (BF16 if name == "dv" else y.dtype), name
             err = float(jnp.max(jnp.abs(x.astype(F32) - y)) / jnp.max(jnp.abs(y)))
             assert err < 5e-3, (name, err)
+
+
+def test_interpreter_key_gate_backward_kernel_against_xla():
+    """Per-key gates: `operands.key_gate_backward` with the scores' pullback in GLA's pair-level
+    kernel (interpreter) against the same with autodiff of XLA's per-key scores, on the forward
+    kernel's 16-bit operands (random inputs, strong Kimi-like per-key gates, grouped value heads)
+    and random cotangents, two chunks. The kernel rounds dA, the pair terms and beta k to
+    bfloat16 where XLA keeps float32 cotangents, hence the bound (dk 4.3e-3 of its largest
+    element, the rest <= 1e-3; the pass rule against float64 is the parity tests')."""
+    b, tp, h, group, key_dim, value_dim = 1, 128, 1, 2, 128, 64
+    hv = h * group
+    keys = jax.random.split(jax.random.key(7), 12)
+    q, k = (jax.random.normal(x, (b, tp, h, key_dim), F32) for x in keys[:2])
+    q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = jax.random.normal(keys[2], (b, tp, hv, value_dim), F32)
+    beta = 2.0 * jax.nn.sigmoid(jax.random.normal(keys[3], (b, tp, hv), F32))
+    g = 4.0 * jax.nn.log_sigmoid(jax.random.normal(keys[4], (b, tp, hv, key_dim), F32))
+    inputs = (q.astype(BF16), k.astype(BF16), v.astype(BF16), beta, g)
+    *outs, inverse = operands.kernels_mosaic_operands.wy_operands(
+        *inputs, group=group, scale=0.3, interpret=True, with_inverse=True)
+    scores, _, _, w_neg, u0, last = outs
+    cts = tuple(jax.random.normal(x, o.shape, F32) for x, o in zip(keys[5:], outs))
+    common = (*inputs, scores, w_neg, u0, inverse, cts)
+    got = operands.key_gate_backward(*common, scale=0.3, interpret=True, kernel=True)
+    want = operands.key_gate_backward(*common, scale=0.3, kernel=False)
+    for name, x, y in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype == F32, name
+        err = float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        assert err < 1e-2, (name, err)
