@@ -38,8 +38,9 @@ class Passes:
     out_parts: int = 2  # 16-bit parts of S in u = u0 - w S and q_in S (2: float32-accurate)
     # the per-chunk cotangents in a Mosaic GPU kernel where it takes K and V (else XLA). Per-key
     # gates keep XLA's: on an H200 the kernel made KDA's forward+backward slower (46.9 -> 52.8 ms
-    # at (2, 8192, 32, 32, 128, 128)) while Gated DeltaNet's went 7.91 -> 6.75 ms; the cause (how
-    # XLA schedules the per-key operands' autodiff around it) is not established.
+    # at (2, 8192, 32, 32, 128, 128)) while Gated DeltaNet's went 7.91 -> 6.75 ms, when KDA's
+    # operands were differentiated by autodiff of XLA's; not re-measured since they have their
+    # own backward (operands.key_gate_backward).
     cotangents_kernel: bool = True
     # the reversed pass's value tile where it differs from block_v (`fitted`)
     reversed_block_v: int | None = None
