@@ -1,16 +1,16 @@
 """The delta rule's per-chunk WY operands as the state passes read them: the Mosaic GPU kernel's
-inputs, the kernel, and, for per-head gates and none, its own backward.
+inputs, the kernel, and its own backward.
 
 `wy_operands` pads the inputs and calls a jax.custom_vjp. Forward:
 `kernels_mosaic_operands.wy_operands`, which under differentiation also writes each chunk's
 T = (I + A)^-1. Backward, every chunk in parallel, by docs/delta_rule_math.md "Backward of the
-operands": a Mosaic GPU kernel where it takes K and V (kernels_mosaic_operands_backward.py,
-`kernel_backward`), else XLA (`operands_backward`). With dkb = T^T dw and dvb = T^T du0,
+operands": for per-head gates and none a Mosaic GPU kernel where it takes K and V
+(kernels_mosaic_operands_backward.py, `kernel_backward`), else XLA (`operands_backward`); for
+per-key gates XLA's products through T and GLA's pair-level backward kernel for the scores
+(`key_gate_backward`). With dkb = T^T dw and dvb = T^T du0,
 dA = -strict_lower(T^T dT T^T) is -strict_lower(dkb w^T + dvb u0^T) (w = T kb, u0 = T vb), so T
 enters two products only; products on 16-bit operands (the kernel's T, w, u0, q, k as they are,
 the float32 cotangents rounded) with float32 sums; dg as three masked sums of its own terms.
-Autodiff of XLA's operands (what per-key gates keep) recomputes them in XLA and differentiates
-the blocked inverse.
 """
 
 from __future__ import annotations
