@@ -428,6 +428,8 @@ def test_interpreter_operands_backward_kernel_against_xla(gate, group, key_dim, 
             assert err < 5e-3, (name, err)
 
 
+# --full: the default tier's per-key parity case runs the same kernels end to end
+@pytest.mark.full
 def test_interpreter_key_gate_backward_kernel_against_xla():
     """Per-key gates: `operands.key_gate_backward` with the scores' pullback in GLA's pair-level
     kernel (interpreter) against the same with autodiff of XLA's per-key scores, on the forward
