@@ -130,7 +130,7 @@ def ours(backend):
 def _grouped(q, k, v, beta, g):
     """(problem, grouped inputs) as the "pallas_gpu" chunk path sees them."""
     from gla_tpu.ops.delta_rule import xla
-    from gla_tpu.ops.delta_rule.pallas_gpu import entry
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry, operands
     from gla_tpu.ops.delta_rule.validation import validate_delta_rule
 
     problem, _, _ = validate_delta_rule(q, k, v, beta, g, scale=None, initial_state=None,
@@ -225,13 +225,13 @@ def ours_operands_only(q, k, v, beta, g):
     """What the "pallas_gpu" forward computes before its state pass (the WY operands: the Mosaic
     GPU kernel where it takes the problem, else XLA; their layout): the state pass's share is
     ours minus this."""
-    from gla_tpu.ops.delta_rule.pallas_gpu import entry
+    from gla_tpu.ops.delta_rule.pallas_gpu import entry, operands
 
     problem, (q, k, v, beta, gates) = _grouped(q, k, v, beta, g)
     if not entry.kernel_operands_take(problem):
         operands, _ = entry.kernel_operands(q, k, v, beta, gates, None, problem=problem)
         return [x for x in operands if isinstance(x, jax.Array)]
-    return list(entry.wy_kernel_operands(q, k, v, beta, gates, problem=problem, interpret=False))
+    return list(operands.kernel_operands(q, k, v, beta, gates, problem=problem, interpret=False))
 
 
 def jla(kind):

@@ -330,7 +330,7 @@ def test_gpu_auto_runs_pallas_gpu_without_warning():
 
 @pytest.mark.parametrize("gate", ["head", "none", "key"])
 def test_operands_backward_matches_autodiff_of_xla_operands(gate):
-    """The WY operands' own backward (operands.operands_backward, and key_gate_backward for
+    """The WY operands' own backward (operands.operands_backward, and key_gate_backward_xla for
     per-key gates: what the kernel's operands take under differentiation) against autodiff of
     the "xla" backend's operands in the same token-major layout, in float64 with T inverted
     exactly: grouped value heads, two chunks with a partial last one, strong gates."""
@@ -374,8 +374,8 @@ def test_operands_backward_matches_autodiff_of_xla_operands(gate):
         inverse = jnp.asarray(np.moveaxis(inverse, 2, 3).reshape(b, tp, hv, c))
         scores, _, _, w_neg, u0, _ = outs
         if gate == "key":
-            got = operands.key_gate_backward(qp, kp, vp, bp, gp, scores, w_neg, u0, inverse,
-                                             cts, scale=problem.scale)
+            got = operands.key_gate_backward_xla(qp, kp, vp, bp, gp, w_neg, u0, inverse, cts,
+                                                 scale=problem.scale)
         else:
             got = operands.operands_backward(qp, kp, vp, bp, gp, scores, w_neg, u0, inverse,
                                              cts, scale=problem.scale, with_gates=gate == "head")
@@ -431,8 +431,9 @@ def test_interpreter_operands_backward_kernel_against_xla(gate, group, key_dim, 
 # --full: the default tier's per-key parity case runs the same kernels end to end
 @pytest.mark.full
 def test_interpreter_key_gate_backward_kernel_against_xla():
-    """Per-key gates: `operands.key_gate_backward` with the scores' pullback in GLA's pair-level
-    kernel (interpreter) against the same with autodiff of XLA's per-key scores, on the forward
+    """Per-key gates: `operands.key_gate_backward`, the scores' pullback in GLA's pair-level
+    kernel (interpreter), against `key_gate_backward_xla`, autodiff of XLA's per-key scores, on the
+    forward
     kernel's 16-bit operands (random inputs, strong Kimi-like per-key gates, grouped value heads)
     and random cotangents, two chunks. The kernel rounds dA, the pair terms and beta k to
     bfloat16 where XLA keeps float32 cotangents, hence the bound (dk 4.3e-3 of its largest
@@ -450,9 +451,9 @@ def test_interpreter_key_gate_backward_kernel_against_xla():
         *inputs, group=group, scale=0.3, interpret=True, with_inverse=True)
     scores, _, _, w_neg, u0, last = outs
     cts = tuple(jax.random.normal(x, o.shape, F32) for x, o in zip(keys[5:], outs))
-    common = (*inputs, scores, w_neg, u0, inverse, cts)
-    got = operands.key_gate_backward(*common, scale=0.3, interpret=True, kernel=True)
-    want = operands.key_gate_backward(*common, scale=0.3, kernel=False)
+    common = (*inputs, w_neg, u0, inverse, cts)
+    got = operands.key_gate_backward(*common, scale=0.3, interpret=True)
+    want = operands.key_gate_backward_xla(*common, scale=0.3)
     for name, x, y in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want):
         assert x.shape == y.shape and x.dtype == y.dtype == F32, name
         err = float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))

@@ -182,12 +182,6 @@ def kernel_operands_take(problem) -> bool:
     return operands.value_width(problem.value_dim) <= kernels_mosaic_operands.MAX_VALUE_DIM
 
 
-def wy_kernel_operands(q, k, v_, beta, gates, *, problem, interpret):
-    """The Mosaic GPU kernel's WY operands (`kernels_mosaic_operands.wy_operands`: scores, q_in,
-    k_out, w_neg, u0, last) for grouped inputs (`xla.grouped_inputs`), padded to its widths."""
-    return operands.kernel_operands(q, k, v_, beta, gates, problem=problem, interpret=interpret)
-
-
 def _operands_and_passes(q, k, v_, beta, gates, initial_state, problem, interpret):
     """grouped inputs (`xla.grouped_inputs`) -> (o [B, Tp, HV, V] in the input dtype, final
     state [B, HV, Kp, V] float32), the WY operands from the Mosaic GPU kernel, differentiated by

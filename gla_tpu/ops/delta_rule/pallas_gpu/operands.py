@@ -113,8 +113,8 @@ def _bwd(dtype, group, scale, with_gates, interpret, residuals, cotangents):
     inputs, scores, w_neg, u0, inverse = residuals
     _, k, v, _, g = inputs
     if g.ndim == 4:  # per-key gates
-        grads = key_gate_backward(*inputs, scores, w_neg, u0, inverse, cotangents, scale=scale,
-                                  interpret=interpret, kernel=True)
+        grads = key_gate_backward(*inputs, w_neg, u0, inverse, cotangents, scale=scale,
+                                  interpret=interpret)
     elif kernels_mosaic_operands_backward.takes(k.shape[3], v.shape[3]):
         grads = kernel_backward(*inputs, scores, w_neg, u0, inverse, cotangents, group=group,
                                 scale=scale, with_gates=with_gates, interpret=interpret)
@@ -239,19 +239,11 @@ def _chunk_layout(bsz: int, tp: int, h: int, dtype):
     return chunked, tokens, dot
 
 
-def key_gate_backward(q, k, v, beta, g, scores, w_neg, u0, inverse, cotangents, *, scale,
-                      interpret=False, kernel=False):
-    """`operands_backward` for per-key gates g [B, Tp, HV, Kp] (float32): the parts through T as
-    there, in XLA (docs/delta_rule_math.md, "Backward of the operands", each decay per key), and
-    the pullback of the decayed scores M and A with q_in, k_in and k_out: with `kernel`, GLA's
-    pair-level backward kernel on given cotangents (`kernels_mosaic_grads.score_grads`), twice
-    (`_key_scores_by_kernel`); else autodiff of "xla"'s per-key scores (`xla.per_key_scores`,
-    recomputed from q, k and g: their secondary chunking). Returns float32 dq, dk [B, Tp, H, Kp],
-    dv [B, Tp, HV, Vp], dbeta [B, Tp, HV] and dg [B, Tp, HV, Kp]."""
-    if kernel:
-        return _key_scores_by_kernel(q, k, v, beta, g, w_neg, u0, inverse, cotangents,
-                                     scale=scale, interpret=interpret)
-    del scores  # recomputed with its pullback
+def key_gate_backward_xla(q, k, v, beta, g, w_neg, u0, inverse, cotangents, *, scale):
+    """`key_gate_backward` in XLA alone, its reference in the tests: the scores' pullback by
+    autodiff of "xla"'s per-key scores (`xla.per_key_scores`, recomputed from q, k and g: their
+    secondary chunking), the rest as `operands_backward` with each decay per key
+    (docs/delta_rule_math.md, "Backward of the operands"). Arguments and results as there."""
     bsz, tp, h, _ = q.shape
     c, dtype = CHUNK, q.dtype
     d_scores, d_q_in, d_k_out, d_w_neg, du0, d_last = cotangents
@@ -300,14 +292,15 @@ def _through_inverse(t_c, d_w_neg, du0, w_neg, u0, dot):
     return dkb, dvb, jnp.where(jnp.arange(c)[:, None] > jnp.arange(c)[None, :], da, 0.0)
 
 
-def _key_scores_by_kernel(q, k, v, beta, g, w_neg, u0, inverse, cotangents, *, scale,
-                          interpret):
-    """`key_gate_backward` with the scores' pullback in GLA's pair-level kernel, twice:
-    M = scale (q k^T decayed) with q_in = scale q e^b and k_out (cotangents scale dM, scale
-    d q_in, d k_out), then A = beta (k k^T decayed) as the scores of (beta k) against k with
-    kb = (beta k) e^b (cotangents dA and dkb; the kernel's d(beta k) gives beta's and k's rows'
-    shares). The kernel sums dg's per-token terms of b, b_last - b inside the chunk; b_last's
-    own cotangent is added here."""
+def key_gate_backward(q, k, v, beta, g, w_neg, u0, inverse, cotangents, *, scale, interpret):
+    """`operands_backward` for per-key gates g [B, Tp, HV, Kp] (float32), its arguments but the
+    scores (the kernel does not read them) and its results: the products through T in XLA, and the scores' pullback in
+    GLA's pair-level backward kernel on given cotangents (`kernels_mosaic_grads.score_grads`),
+    twice: M = scale (q k^T decayed) with q_in = scale q e^b and k_out (cotangents scale dM,
+    scale d q_in, d k_out), then A = beta (k k^T decayed) as the scores of (beta k) against k
+    with kb = (beta k) e^b (cotangents dA and dkb; the kernel's d(beta k) gives beta's and k's
+    rows' shares, so nothing divides by beta). The kernel sums dg's per-token terms of b and
+    b_last - b inside the chunk; b_last's own cotangent is added here."""
     bsz, tp, h, _ = q.shape
     dtype = q.dtype
     d_scores, d_q_in, d_k_out, d_w_neg, du0, d_last = cotangents
@@ -315,7 +308,8 @@ def _key_scores_by_kernel(q, k, v, beta, g, w_neg, u0, inverse, cotangents, *, s
     dkb, dvb, da = _through_inverse(chunked(inverse), chunked(d_w_neg), chunked(du0),
                                     chunked(w_neg), chunked(u0), dot)
     hv = g.shape[2]
-    beta_k = (beta[..., None] * jnp.repeat(k.astype(F32), hv // h, axis=2)).astype(dtype)
+    k_v = jnp.repeat(k.astype(F32), hv // h, axis=2)  # [B, Tp, HV, Kp]: each value head's k
+    beta_k = (beta[..., None] * k_v).astype(dtype)
     dq_m, dk_m, dg_m = kernels_mosaic_grads.score_grads(
         q, k, g, scale * d_scores.astype(F32), scale * d_q_in.astype(F32), d_k_out,
         interpret=interpret)
@@ -325,7 +319,6 @@ def _key_scores_by_kernel(q, k, v, beta, g, w_neg, u0, inverse, cotangents, *, s
     def by_head(x):  # [B, Tp, HV, Kp] -> summed over each head's value heads [B, Tp, H, Kp]
         return x.reshape(bsz, tp, h, hv // h, x.shape[-1]).sum(3)
 
-    k_v = jnp.repeat(k.astype(F32), hv // h, axis=2)  # [B, Tp, HV, Kp]
     dq = by_head(dq_m)
     dk = by_head(dk_m + dk_a + beta[..., None] * d_beta_k)
     dv = tokens(chunked(beta)[..., None] * dvb)

@@ -135,8 +135,12 @@ def score_grads(q, k, g, da, q_inter, k_inter, *, interpret):
     j // (HV / H_k) of k) and per-key gates g [B, Tp, HV, K] float32 -> dq, dk and dg
     [B, Tp, HV, K] float32, per value head."""
     bsz, tp, hv, kd = g.shape
-    if (tp % CHUNK or kd % SLAB or q.shape[::3] != (bsz, kd) or k.shape[::3] != (bsz, kd)
-            or q.shape[1] != tp or k.shape[1] != tp or hv % q.shape[2] or hv % k.shape[2]
+
+    def head_share(x):  # [B, Tp, heads, K] with heads dividing HV
+        return x.ndim == 4 and (x.shape[0], x.shape[1], x.shape[3]) == (bsz, tp, kd) and (
+            hv % x.shape[2] == 0)
+
+    if (tp % CHUNK or kd % SLAB or not head_share(q) or not head_share(k)
             or da.shape != (bsz, tp, hv, CHUNK) or q_inter.shape != g.shape
             or k_inter.shape != g.shape):
         raise ValueError(f"q {q.shape}, k {k.shape}, g {g.shape}, da {da.shape}, q_inter "
@@ -345,18 +349,18 @@ def _pair_level_grads(q, k, g, front, *, scale, interpret, groups):
     token_type = jax.ShapeDtypeStruct(out_heads, F32 if given else dtype)
     # per-head dg: one [Tp] row per (batch, key slab, head), summed over the slabs below
     dg_type = jax.ShapeDtypeStruct((bsz, slabs, h, tp) if per_head else out_heads, F32)
+    name = "gla_score_grads_mosaic" if given else "gla_grads_mosaic"
     kernel = plgpu.kernel(
         body,
         out_type=[token_type, token_type, dg_type],
         scratch_types=scratch,
         grid=(n * slabs, heads, bsz),
         grid_names=("chunk_slab", "head", "batch"),
-        kernel_name="gla_score_grads_mosaic" if given else "gla_grads_mosaic",
+        kernel_name=name,
         compiler_params=COMPILER_PARAMS,
         interpret=interpret_params(interpret),
     )
     ranges = (range_constants(GATE_RANGES), range_constants(DG_RANGES, BF16))
-    name = "gla_score_grads_mosaic" if given else "gla_grads_mosaic"
     with jax.named_scope(f"{name}_key_dim={kd}"):
         if given:
             da, q_inter, k_inter = front
